@@ -1,0 +1,157 @@
+"""LLM: the offline API. generate() for whole results, stream() for deltas, chat() for messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from .config import EngineConfig, SamplingParams
+from .messages import DetokenizeMsg
+from .scheduler.scheduler import Scheduler
+from .tokenizer.detokenize import IncrementalDetokenizer
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    spec_accepted: int = 0  # speculative decoding: accepted draft tokens
+    spec_proposed: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StreamDelta:
+    index: int  # which prompt of the call
+    text: str  # new text since the previous delta
+    next_tokens: list[int]  # tokens committed in this step
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+
+
+class LLM:
+    """Offline engine: `LLM(model_path, dtype=..., max_running_req=..., page_size=..., ...)`.
+
+    Extra keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig(model_path=str(model_path), **engine_kwargs)
+        self.scheduler = Scheduler(self.config)
+        self.tokenizer = self.scheduler.tokenizer
+
+    # --- inputs -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def encode_chat(self, messages: list[Message]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    # --- generation -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        ids = self._as_id_lists(prompts)
+        outputs = [RequestOutput(prompt_token_ids=p) for p in ids]
+        for d in self._run(ids, sampling_params, outputs):
+            pass
+        return outputs
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[StreamDelta]:
+        ids = self._as_id_lists(prompts)
+        outputs = [RequestOutput(prompt_token_ids=p) for p in ids]
+        yield from self._run(ids, sampling_params, outputs)
+
+    def chat(
+        self,
+        conversations: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        return self.generate([self.encode_chat(c) for c in conversations], sampling_params)  # type: ignore[arg-type]
+
+    # --- internals --------------------------------------------------------------------------
+    def _as_id_lists(self, prompts: Prompt | Sequence[Prompt]) -> list[list[int]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+
+    def _run(
+        self,
+        ids: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        outputs: list[RequestOutput],
+    ) -> Iterator[StreamDelta]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(ids)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(ids):
+                raise ValueError(f"{len(params)} sampling params for {len(ids)} prompts")
+        sched = self.scheduler
+        index: dict[int, int] = {}
+        detoks: dict[int, IncrementalDetokenizer] = {}
+        try:
+            for i, (p_ids, p) in enumerate(zip(ids, params)):
+                uid = sched.add_request(p_ids, p)
+                index[uid] = i
+                detoks[uid] = IncrementalDetokenizer(
+                    self.tokenizer, p_ids, skip_special_tokens=p.skip_special_tokens,
+                    stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
+                )
+            remaining = set(index)
+            while remaining:
+                for msg in sched.step():
+                    if msg.uid not in remaining:
+                        continue
+                    delta = self._apply(msg, outputs[index[msg.uid]], detoks[msg.uid], index[msg.uid])
+                    if msg.finished:
+                        remaining.discard(msg.uid)
+                    yield delta
+        finally:
+            # a caller that stops iterating (or an error) must not leave requests holding pages
+            for uid in list(index):
+                if uid in sched._by_uid:
+                    sched.abort(uid)
+            while sched._outbox:
+                sched.step()
+
+    @staticmethod
+    def _apply(msg: DetokenizeMsg, out: RequestOutput, detok: IncrementalDetokenizer, i: int) -> StreamDelta:
+        out.token_ids.extend(msg.next_tokens)
+        text = detok.add(msg.next_tokens)
+        if msg.finished:
+            text += detok.finish()
+            out.finish_reason = msg.finish_reason
+            out.stop_reason = msg.stop_reason
+            out.spec_accepted, out.spec_proposed = msg.spec_accepted, msg.spec_proposed
+        out.text += text
+        if msg.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + msg.logprobs
+        if msg.top_logprobs is not None:
+            out.top_logprobs = (out.top_logprobs or []) + msg.top_logprobs
+        return StreamDelta(i, text, list(msg.next_tokens), msg.finished, msg.finish_reason, msg.logprobs)

@@ -1,0 +1,32 @@
+"""Decode batches: one row per request, pages for the new token, retraction when the pool is dry."""
+
+from __future__ import annotations
+
+from ..core import Req
+from ..kvcache.manager import CacheManager
+
+
+def plan_decode(decoders: list[Req], running: list[Req], cache: CacheManager) -> tuple[list[Req], list[Req]]:
+    """Allocate each decoder's page for the token it writes this step. When the pool cannot cover
+    them all, retract the most recently admitted requests (they lose the least work) until it can.
+    Returns (requests to decode, requests to retract); the caller frees the retracted ones."""
+    batch = list(decoders)
+    victims: list[Req] = []
+    candidates = [r for r in reversed(running)]  # newest first
+
+    def shortfall() -> int:
+        need = sum(cache.pages_needed(r, r.seq_len) for r in batch)
+        freed = sum(len(cache.pages_of(v)) for v in victims)
+        return need - (cache.num_free_pages + freed)
+
+    while batch and shortfall() > 0 and len(victims) < len(running) - 1:
+        victim = candidates.pop(0)
+        victims.append(victim)
+        if victim in batch:
+            batch.remove(victim)
+    return batch, victims
+
+
+def allocate_decode(batch: list[Req], cache: CacheManager) -> None:
+    for r in batch:
+        cache.allocate(r, r.seq_len)

@@ -1,0 +1,227 @@
+"""The continuous-batching scheduler: admission, prefill/decode steps, committing tokens, aborts.
+
+Step policy: prefill work (new prompts, unfinished chunks) runs under the `max_extend_tokens`
+budget, but never twice in a row while requests wait to decode, so a stream of new prompts
+cannot starve running decodes (they get at least every other step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from ..config import EngineConfig, SamplingParams
+from ..core import Req
+from ..engine.engine import Engine
+from ..messages import DetokenizeMsg, EngineStats
+from .decode import allocate_decode, plan_decode
+from .prefill import plan_prefill
+from .stops import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, engine: Engine | None = None, tokenizer: Any = None) -> None:
+        self.config = config
+        self.engine = engine or Engine(config)
+        if tokenizer is None:
+            from ..tokenizer.tokenize import load_tokenizer
+
+            tokenizer = load_tokenizer(config.model_path)
+        self.tokenizer = tokenizer
+        self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids())
+        self.cache = self.engine.cache
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted, in admission order (prefilling or decoding)
+        self._by_uid: dict[int, Req] = {}
+        self._stop_checkers: dict[int, StopChecker] = {}
+        self._outbox: list[DetokenizeMsg] = []
+        self._uids = itertools.count()
+        self._last_was_prefill = False
+        self.prompt_tokens_total = 0
+        self.generated_tokens_total = 0
+
+    # --- requests in and out ----------------------------------------------------------------
+    @property
+    def max_req_len(self) -> int:
+        return self.engine.max_req_len
+
+    def add_request(self, input_ids: list[int], params: SamplingParams | None = None, uid: int | None = None) -> int:
+        """Validate and queue a request; raises ValueError naming the limit it breaks."""
+        params = params or SamplingParams()
+        input_ids = [int(t) for t in input_ids]
+        if not input_ids:
+            raise ValueError("the prompt is empty: at least one token is required")
+        vocab = self.engine.vocab_size
+        bad = [t for t in input_ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        # a request can never outgrow the whole pool, so it cannot wait forever for pages
+        limit = min(self.max_req_len, self.cache.num_total_pages * self.cache.page_size)
+        if len(input_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the limit is {limit - 1} "
+                f"(max_seq_len {limit} including at least one generated token)"
+            )
+        params.validate(max_new_tokens_limit=limit - len(input_ids))
+        if uid is None:
+            uid = next(self._uids)
+        if uid in self._by_uid:
+            raise ValueError(f"request id {uid} is already in use")
+        req = Req(uid=uid, input_ids=input_ids, sampling=params)
+        if params.seed is not None:
+            req.generator = self.engine.sampler.make_generator(params.seed)
+        if params.stop:
+            self._stop_checkers[uid] = StopChecker(self.tokenizer, input_ids, params)
+        self._by_uid[uid] = req
+        self.waiting.append(req)
+        self.prompt_tokens_total += len(input_ids)
+        return uid
+
+    def abort(self, uid: int) -> bool:
+        """Stop a waiting or running request now; its final message comes out of the next step()."""
+        req = self._by_uid.get(uid)
+        if req is None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort")
+        self._outbox.append(self._message(req, [], None))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._outbox)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_pages=self.cache.num_free_pages,
+            num_total_pages=self.cache.num_total_pages,
+            page_size=self.cache.page_size,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generated_tokens_total=self.generated_tokens_total,
+        )
+
+    # --- one step ---------------------------------------------------------------------------
+    def step(self) -> list[DetokenizeMsg]:
+        msgs, self._outbox = self._outbox, []
+        decoders = [r for r in self.running if r.seq_len - r.cached_len == 1]
+        prefill_pending = bool(self.waiting) or len(decoders) < len(self.running)
+        if prefill_pending and not (decoders and self._last_was_prefill):
+            ran = self._run_prefill(msgs)
+            self._last_was_prefill = ran
+            if ran:
+                return msgs
+        if decoders:
+            self._run_decode(decoders, msgs)
+        self._last_was_prefill = False
+        return msgs
+
+    def _run_prefill(self, msgs: list[DetokenizeMsg]) -> bool:
+        prefilling = [r for r in self.running if r.seq_len - r.cached_len > 1]
+        plan, admitted = plan_prefill(
+            prefilling, self.waiting, self.running, self.cache, self.config.max_extend_tokens,
+            self.config.max_running_req, self.config.decode_rows_per_req,
+        )
+        self.running.extend(admitted)
+        if not plan.reqs:
+            return False
+        self._run(self.engine.prepare_batch("prefill", plan.reqs, plan.extend_lens), msgs)
+        return True
+
+    def _run_decode(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> None:
+        batch_reqs, retracted = plan_decode(decoders, self.running, self.cache)
+        for req in retracted:
+            self._retract(req)
+        allocate_decode(batch_reqs, self.cache)
+        if batch_reqs:
+            self._run(self.engine.prepare_batch("decode", batch_reqs, [1] * len(batch_reqs)), msgs)
+
+    def _run(self, batch, msgs: list[DetokenizeMsg]) -> None:
+        banned = {}
+        for row, i in enumerate(batch.sample_reqs):
+            req = batch.reqs[i]
+            if req.num_output < req.sampling.min_tokens:
+                banned[row] = sorted(self.eos_token_ids | set(req.sampling.stop_token_ids))
+        out = self.engine.step(batch, banned)
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.cached_len += n
+        now = time.perf_counter()
+        for row, i in enumerate(batch.sample_reqs):
+            req = batch.reqs[i]
+            if req.finished:  # aborted while the step ran
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            token = out.tokens[row]
+            taken = self._commit_tokens(req, [token])
+            if out.logprobs is not None and req.sampling.logprobs is not None:
+                req.output_logprobs.extend([out.logprobs[row]][:taken])
+                if out.top_logprobs is not None:
+                    req.output_top_logprobs.extend([out.top_logprobs[row]][:taken])
+            msgs.append(self._message(req, [token][:taken], len(req.output_logprobs) - taken))
+
+    # --- committing -------------------------------------------------------------------------
+    def _commit_tokens(self, req: Req, tokens: list[int]) -> int:
+        """Append tokens in order; stop at the first that finishes the request. Returns the count taken."""
+        p = req.sampling
+        checker = self._stop_checkers.get(req.uid)
+        for i, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            self.generated_tokens_total += 1
+            reason: str | None = None
+            stop_reason: int | str | None = None
+            if req.num_output >= p.min_tokens:
+                if tok in p.stop_token_ids:
+                    reason, stop_reason = "stop", tok
+                elif not p.ignore_eos and tok in self.eos_token_ids:
+                    reason, stop_reason = "stop", tok
+            if reason is None and checker is not None:
+                matched = checker.add(tok)
+                if matched is not None and req.num_output >= p.min_tokens:
+                    reason, stop_reason = "stop", matched
+            if reason is None and (req.num_output >= p.max_tokens or req.seq_len >= self.max_req_len):
+                reason = "length"
+            if reason is not None:
+                req.stop_reason = stop_reason
+                self._finish(req, reason)
+                return i + 1
+        return len(tokens)
+
+    def _finish(self, req: Req, reason: str) -> None:
+        req.finished = True
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self.cache.free(req)
+        self._by_uid.pop(req.uid, None)
+        self._stop_checkers.pop(req.uid, None)
+
+    def _retract(self, req: Req) -> None:
+        """Out of pages: give a running request's cache back and queue it first for recompute."""
+        log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
+        self.running.remove(req)
+        self.cache.free(req)
+        req.cached_len = 0
+        self.waiting.appendleft(req)
+
+    def _message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
+        want_lp = req.sampling.logprobs is not None and lp_start is not None
+        return DetokenizeMsg(
+            uid=req.uid,
+            next_tokens=tokens,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=req.output_logprobs[lp_start:] if want_lp else None,
+            top_logprobs=req.output_top_logprobs[lp_start:] if want_lp and req.sampling.logprobs else None,
+            num_prompt_tokens=req.prompt_len,
+            num_output_tokens=req.num_output,
+            spec_accepted=req.spec_accepted,
+            spec_proposed=req.spec_proposed,
+        )
