@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .config import EngineConfig, SamplingParams
 from .messages import DetokenizeMsg
 from .scheduler.scheduler import Scheduler
-from .tokenizer.detokenize import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from .tokenizer.detokenize import IncrementalDetokenizer
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -58,6 +60,8 @@ class LLM:
     # --- inputs -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this model directory has none (pass token ids)")
             return self.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
@@ -113,8 +117,10 @@ class LLM:
             if len(params) != len(ids):
                 raise ValueError(f"{len(params)} sampling params for {len(ids)} prompts")
         sched = self.scheduler
+        if self.tokenizer is not None:
+            from .tokenizer.detokenize import IncrementalDetokenizer
         index: dict[int, int] = {}
-        detoks: dict[int, IncrementalDetokenizer] = {}
+        detoks: dict[int, IncrementalDetokenizer | None] = {}
         try:
             for i, (p_ids, p) in enumerate(zip(ids, params)):
                 uid = sched.add_request(p_ids, p)
@@ -122,7 +128,7 @@ class LLM:
                 detoks[uid] = IncrementalDetokenizer(
                     self.tokenizer, p_ids, skip_special_tokens=p.skip_special_tokens,
                     stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output,
-                )
+                ) if self.tokenizer is not None else None
             remaining = set(index)
             while remaining:
                 for msg in sched.step():
@@ -141,11 +147,11 @@ class LLM:
                 sched.step()
 
     @staticmethod
-    def _apply(msg: DetokenizeMsg, out: RequestOutput, detok: IncrementalDetokenizer, i: int) -> StreamDelta:
+    def _apply(msg: DetokenizeMsg, out: RequestOutput, detok: IncrementalDetokenizer | None, i: int) -> StreamDelta:
         out.token_ids.extend(msg.next_tokens)
-        text = detok.add(msg.next_tokens)
+        text = detok.add(msg.next_tokens) if detok is not None else ""
         if msg.finished:
-            text += detok.finish()
+            text += detok.finish() if detok is not None else ""
             out.finish_reason = msg.finish_reason
             out.stop_reason = msg.stop_reason
             out.spec_accepted, out.spec_proposed = msg.spec_accepted, msg.spec_proposed

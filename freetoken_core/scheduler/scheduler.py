@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig, SamplingParams
@@ -24,16 +25,30 @@ from .stops import StopChecker
 log = logging.getLogger(__name__)
 
 
+def has_tokenizer_files(model_path: str) -> bool:
+    p = Path(model_path)
+    return (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists() or (p / "tokenizer.model").exists()
+
+
+def config_eos_ids(hf_config: Any) -> set[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, engine: Engine | None = None, tokenizer: Any = None) -> None:
         self.config = config
         self.engine = engine or Engine(config)
-        if tokenizer is None:
+        if tokenizer is None and has_tokenizer_files(config.model_path):
             from ..tokenizer.tokenize import load_tokenizer
 
             tokenizer = load_tokenizer(config.model_path)
-        self.tokenizer = tokenizer
-        self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids())
+        self.tokenizer = tokenizer  # None for token-in/token-out models without tokenizer files
+        self.eos_token_ids: set[int] = (
+            set(tokenizer.eos_token_ids()) if tokenizer is not None else config_eos_ids(self.engine.model.config)
+        )
         self.cache = self.engine.cache
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted, in admission order (prefilling or decoding)
@@ -76,6 +91,8 @@ class Scheduler:
         if params.seed is not None:
             req.generator = self.engine.sampler.make_generator(params.seed)
         if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
             self._stop_checkers[uid] = StopChecker(self.tokenizer, input_ids, params)
         self._by_uid[uid] = req
         self.waiting.append(req)

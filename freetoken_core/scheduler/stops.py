@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import SamplingParams
-from ..tokenizer.detokenize import IncrementalDetokenizer
 
 
 class StopChecker:
     """Tells at which committed token a stop string appears (it may span token boundaries)."""
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> None:
+        from ..tokenizer.detokenize import IncrementalDetokenizer
+
         self._detok = IncrementalDetokenizer(
             tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
         )
