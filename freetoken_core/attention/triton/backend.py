@@ -1,0 +1,198 @@
+"""TritonBackend: store_kv + paged decode (flash-decoding) or extend attention, all Triton kernels.
+
+Per step, `prepare_metadata` sends the batch's integers to the device once (one copy); every layer
+then launches store_kv and one attention kernel. Decode and verify batches (R rows per request,
+R = 1 for decode) use the decode kernel; prefill batches use the extend kernel.
+
+CUDA graphs (engine/graph.py): `init_capture_graph` allocates static metadata and split scratch
+for the largest batch; `prepare_for_capture` gives a capture batch metadata that views them; and
+`prepare_for_replay` copies a real batch's lengths and table rows into them (padding rows point
+at the dummy table row with R keys, which live on the dummy page). The decode grid depends only on
+the padded batch size and a split count fixed per size from max_seq_len, never on the lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...core import Batch
+from ...kvcache.pool import KVCache
+from ..base import AttnBackend, AttnLayout, BackendInfo
+from . import interpreter_on
+from .decode import alloc_partials, decode_attention, num_kv_splits
+from .extend import extend_attention
+from .store_kv import store_kv
+
+
+@dataclass
+class TritonAttnMetadata:
+    phase: str
+    rows_per_req: int
+    table_rows: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32: cached + new keys of each request
+    # decode / verify
+    num_splits: int = 1
+    part_out: torch.Tensor | None = None  # [B * R, H, S, D] fp32 split scratch (None when S == 1)
+    part_lse: torch.Tensor | None = None
+    # prefill
+    prefix_lens: torch.Tensor | None = None  # [B] int32
+    extend_lens: torch.Tensor | None = None  # [B] int32
+    q_starts: torch.Tensor | None = None  # [B] int32: first row of each request in q
+    max_extend: int = 0
+
+
+@dataclass
+class _GraphBuffers:
+    """Static state shared by the graphs of one rows_per_req."""
+
+    max_bs: int
+    max_seq_len: int
+    ints: torch.Tensor  # [2, max_bs] int32: seq_lens, table_rows
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    metadata: dict[int, TritonAttnMetadata]  # per captured batch size
+
+
+class TritonBackend(AttnBackend):
+    info = BackendInfo(
+        name="triton",
+        devices=("cuda", "cpu"),  # cpu: under TRITON_INTERPRET=1, fp32/fp16 only
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        supports_page_size_gt1=True,
+        supports_cuda_graph=True,
+        uniform_extend_graph=True,
+    )
+
+    def __init__(self, layout: AttnLayout, kv_cache: KVCache, page_table: torch.Tensor) -> None:
+        super().__init__(layout, kv_cache, page_table)
+        self.device = kv_cache.device
+        if self.device.type == "cpu" and not interpreter_on():
+            raise RuntimeError(
+                "the triton attention backend on CPU needs TRITON_INTERPRET=1 set before "
+                "freetoken_core.attention.triton is first imported (use attention_backend='torch' on CPU)"
+            )
+        if self.device.type == "cpu" and kv_cache.shape.dtype == torch.bfloat16:
+            raise ValueError("the Triton interpreter computes bf16 wrongly: use float32 or float16 on CPU")
+        if layout.num_heads % layout.num_kv_heads:
+            raise ValueError(f"num_heads {layout.num_heads} is not a multiple of num_kv_heads {layout.num_kv_heads}")
+        if self.device.type == "cuda":
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        else:
+            self.num_sms = 4  # keeps interpreter runs small while still exercising the split path
+        self.dummy_row = page_table.shape[0] - 1
+        self._graphs: dict[int, _GraphBuffers] = {}
+
+    # --- metadata ---------------------------------------------------------------------------
+    def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
+        """One host-to-device copy for all of a step's integer vectors."""
+        return torch.tensor(rows, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _rows_per_req(batch: Batch) -> int:
+        return 1 if batch.phase == "decode" else batch.rows_per_req
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        table_rows = [r.table_row for r in batch.reqs]
+        if batch.phase == "prefill":
+            starts, acc = [], 0
+            for n in batch.extend_lens:
+                starts.append(acc)
+                acc += n
+            ints = self._to_device([batch.seq_lens, table_rows, batch.prefix_lens, batch.extend_lens, starts])
+            batch.attn_metadata = TritonAttnMetadata(
+                phase="prefill", rows_per_req=1, seq_lens=ints[0], table_rows=ints[1],
+                prefix_lens=ints[2], extend_lens=ints[3], q_starts=ints[4],
+                max_extend=max(batch.extend_lens, default=0),
+            )
+            return
+        rows = self._rows_per_req(batch)
+        assert all(n == rows for n in batch.extend_lens), (
+            f"a {batch.phase} batch needs {rows} row(s) per request, got {batch.extend_lens}"
+        )
+        ints = self._to_device([batch.seq_lens, table_rows])
+        splits = num_kv_splits(batch.size, self.layout.num_kv_heads, max(batch.seq_lens, default=1), self.num_sms)
+        part_out = part_lse = None
+        if splits > 1:
+            part_out, part_lse = alloc_partials(
+                batch.size * rows, self.layout.num_heads, splits, self.layout.head_dim, self.device
+            )
+        batch.attn_metadata = TritonAttnMetadata(
+            phase=batch.phase, rows_per_req=rows, seq_lens=ints[0], table_rows=ints[1],
+            num_splits=splits, part_out=part_out, part_lse=part_lse,
+        )
+
+    # --- forward ----------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        md: TritonAttnMetadata = batch.attn_metadata
+        k_cache, v_cache = self.kv_cache.layer(layer_id)
+        store_kv(k, v, k_cache, v_cache, batch.out_loc)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if md.phase == "prefill":
+            out = extend_attention(
+                q, k_cache, v_cache, self.page_table, md.table_rows, md.prefix_lens, md.extend_lens,
+                md.q_starts, md.max_extend, self.layout.scale,
+            )
+        else:
+            out = decode_attention(
+                q, k_cache, v_cache, self.page_table, md.table_rows, md.seq_lens, self.layout.scale,
+                rows_per_req=md.rows_per_req, num_splits=md.num_splits,
+                part_out=md.part_out, part_lse=md.part_lse,
+            )
+        return out.view(out.shape[0], -1)
+
+    # --- CUDA graphs ------------------------------------------------------------------------
+    def _graph_splits(self, bs: int, max_seq_len: int) -> int:
+        return num_kv_splits(bs, self.layout.num_kv_heads, max_seq_len, self.num_sms)
+
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int], rows_per_req: int = 1) -> None:
+        """Static buffers for decode (rows_per_req = 1) or verify graphs of every size in bs_list.
+        Call once per rows_per_req that will be captured."""
+        max_bs = max(bs_list)
+        max_splits = max(self._graph_splits(bs, max_seq_len) for bs in bs_list)
+        part_out, part_lse = alloc_partials(
+            max_bs * rows_per_req, self.layout.num_heads, max_splits, self.layout.head_dim, self.device
+        )
+        ints = torch.zeros(2, max_bs, dtype=torch.int32, device=self.device)
+        ints[0].fill_(rows_per_req)
+        ints[1].fill_(self.dummy_row)
+        self._graphs[rows_per_req] = _GraphBuffers(max_bs, max_seq_len, ints, part_out, part_lse, {})
+
+    def _graph_state(self, batch: Batch) -> tuple[_GraphBuffers, int, int]:
+        rows = self._rows_per_req(batch)
+        if rows not in self._graphs:
+            raise RuntimeError(f"init_capture_graph was not called for rows_per_req={rows}")
+        gb = self._graphs[rows]
+        bs = batch.padded_size or batch.size
+        if bs > gb.max_bs:
+            raise ValueError(f"graph batch size {bs} exceeds the captured maximum {gb.max_bs}")
+        return gb, rows, bs
+
+    def _fill_static(self, gb: _GraphBuffers, batch: Batch, rows: int, bs: int) -> None:
+        n = batch.size
+        seq = batch.seq_lens + [rows] * (bs - n)
+        table_rows = [r.table_row for r in batch.reqs] + [self.dummy_row] * (bs - n)
+        gb.ints[:, :bs].copy_(torch.tensor([seq, table_rows], dtype=torch.int32), non_blocking=True)
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        gb, rows, bs = self._graph_state(batch)
+        splits = self._graph_splits(bs, gb.max_seq_len)
+        md = TritonAttnMetadata(
+            phase=batch.phase, rows_per_req=rows, seq_lens=gb.ints[0, :bs], table_rows=gb.ints[1, :bs],
+            num_splits=splits,
+            part_out=gb.part_out[: bs * rows, :, :splits] if splits > 1 else None,
+            part_lse=gb.part_lse[: bs * rows, :, :splits] if splits > 1 else None,
+        )
+        gb.metadata[bs] = md
+        self._fill_static(gb, batch, rows, bs)
+        batch.attn_metadata = md
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        gb, rows, bs = self._graph_state(batch)
+        md = gb.metadata.get(bs)
+        if md is None:
+            raise RuntimeError(f"no graph was captured for batch size {bs} (rows_per_req={rows})")
+        self._fill_static(gb, batch, rows, bs)
+        batch.attn_metadata = md

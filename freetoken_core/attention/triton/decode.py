@@ -1,0 +1,212 @@
+"""Paged decode attention (flash-decoding): a few query rows per request against its whole cache.
+
+Layout: request b owns query rows b * R .. b * R + R - 1 (R = rows_per_req: 1 for decode, k + 1
+for speculative verify). Row r sits at position seq_len - R + r and attends causally to keys
+[0, seq_len - R + r]. The new rows' K/V must already be in the cache (store_kv runs first).
+
+Kernel 1 runs one program per (request, KV head, split): it stacks the R x G query rows of the KV
+head's G query heads into one tile (GQA: the keys are read once for all of them), walks its share
+of the request's keys through the page table, and writes a normalised partial output plus its
+log-sum-exp (base 2). Kernel 2 merges the splits. With one split, kernel 1 writes the final output
+directly. A split's share is computed in the kernel from the request's own length, so the grid
+depends only on (batch size, KV heads, number of splits): CUDA graphs replay it for any lengths,
+and programs whose share is empty just record an empty partial.
+
+Reference: `reference.paged_attention_reference` with extend_lens = [R] * B.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it gains
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KCache, VCache, PageTable, TableRows, SeqLens,
+    Out, PartOut, PartLse,
+    qk_scale, num_splits,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_pt,
+    stride_ot, stride_oh,
+    stride_pot, stride_poh, stride_pos,
+    stride_plt, stride_plh,
+    ROWS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(SeqLens + b)
+    table_row = tl.load(TableRows + b).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    m = tl.arange(0, BLOCK_M)
+    r = m // GROUP  # query row of the request
+    row_valid = m < ROWS * GROUP
+    t = (b * ROWS + r).to(tl.int64)
+    h = kv_head * GROUP + m % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(
+        Q + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :], other=0.0,
+    )
+    kv_len = seq_len - ROWS + r + 1  # causal limit of each row
+
+    # Finite start value: a row whose keys are all masked in a block keeps alpha = 1, never NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_valid = pos < end
+        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_mask = p_valid[:, None] & d_valid[None, :]
+        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        allowed = (pos[None, :] < kv_len[:, None]) & p_valid[None, :]
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    store_mask = row_valid[:, None] & d_valid[None, :]
+    if DIRECT:
+        tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=store_mask)
+    else:
+        tl.store(PartOut + t[:, None] * stride_pot + h[:, None] * stride_poh + split * stride_pos + d[None, :],
+                 out, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PartLse + t * stride_plt + h * stride_plh + split, lse, mask=row_valid)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartOut, PartLse, Out, num_splits,
+    stride_pot, stride_poh, stride_pos,
+    stride_plt, stride_plh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_valid = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    lse = tl.load(PartLse + t * stride_plt + h * stride_plh + s, mask=s_valid, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds key 0, so the max is finite
+    w = tl.where(s_valid, w, 0.0)
+    part = tl.load(
+        PartOut + t * stride_pot + h * stride_poh + s[:, None] * stride_pos + d[None, :],
+        mask=s_valid[:, None] & d_valid[None, :], other=0.0,
+    )
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_valid)
+
+
+def num_kv_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+    """Enough splits to give every SM about two programs, never splits shorter than
+    MIN_SPLIT_TOKENS keys, at most MAX_SPLITS."""
+    by_len = triton.cdiv(max(max_kv_len, 1), MIN_SPLIT_TOKENS)
+    by_occupancy = triton.cdiv(2 * num_sms, max(batch_size * num_kv_heads, 1))
+    return max(1, min(by_len, by_occupancy, MAX_SPLITS))
+
+
+def alloc_partials(num_rows: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
+    """fp32 scratch for the split partials: out [T, H, S, D] and lse [T, H, S]."""
+    return (
+        torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+        torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=device),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    rows_per_req: int = 1,
+    num_splits: int = 1,
+    part_out: torch.Tensor | None = None,
+    part_lse: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """q [B * R, H, D]; caches [pages, page_size, Hkv, D] (contiguous); page_table [rows, pages_per_row]
+    int32; table_rows, seq_lens [B] int32 (seq_lens count the R new rows). Returns [B * R, H, D].
+
+    With num_splits > 1, part_out/part_lse (see `alloc_partials`, at least [B * R, H, num_splits])
+    may be passed in so that a CUDA graph owns them; otherwise they are allocated here."""
+    num_rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    batch_size = table_rows.shape[0]
+    assert num_rows == batch_size * rows_per_req, f"q has {num_rows} rows, expected {batch_size} x {rows_per_req}"
+    assert num_heads % num_kv_heads == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.stride(-1) == 1
+    group = num_heads // num_kv_heads
+    page_size = k_cache.shape[1]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch_size == 0:
+        return out
+    direct = num_splits == 1
+    if not direct and part_out is None:
+        part_out, part_lse = alloc_partials(num_rows, num_heads, num_splits, head_dim, q.device)
+    if direct:  # the partial pointers are never touched: pass the output as a stand-in
+        part_out, part_lse = out, out
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    else:
+        po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
+        pl_strides = (part_lse.stride(0), part_lse.stride(1))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = max(16, triton.next_power_of_2(rows_per_req * group))
+    kf = k_cache.view(-1, num_kv_heads, head_dim)
+    vf = v_cache.view(-1, num_kv_heads, head_dim)
+    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+        q, kf, vf, page_table, table_rows, seq_lens,
+        out, part_out, part_lse,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+        page_table.stride(0),
+        out.stride(0), out.stride(1),
+        *po_strides, *pl_strides,
+        ROWS=rows_per_req, GROUP=group, BLOCK_M=block_m,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        PAGE_SIZE=page_size, DIRECT=direct,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if not direct:
+        _decode_merge_kernel[(num_rows, num_heads)](
+            part_out, part_lse, out, num_splits,
+            *po_strides, *pl_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,129 @@
+"""Extend (prefill) attention over the paged cache: variable-length requests in one launch.
+
+Request b contributes extend_lens[b] query rows (contiguous from q_starts[b]) at positions
+prefix_lens[b] + i; row i attends causally to keys [0, prefix_lens[b] + i]: the cached prefix and
+the new tokens, all read through the page table (store_kv has written the new K/V first).
+
+One program per (request, query head, block of BLOCK_M rows); blocks past a request's length
+exit at once. A block only walks keys up to its own last row (causal).
+
+Reference: `reference.paged_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode import LOG2E
+
+
+@triton.jit
+def _extend_kernel(
+    Q, KCache, VCache, Out, PageTable, TableRows, PrefixLens, ExtendLens, QStarts,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh, stride_vs, stride_vh,
+    stride_pt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    ext = tl.load(ExtendLens + b)
+    if mb * BLOCK_M >= ext:
+        return
+    prefix = tl.load(PrefixLens + b)
+    q_start = tl.load(QStarts + b).to(tl.int64)
+    table_row = tl.load(TableRows + b).to(tl.int64)
+    kv_head = h // GROUP
+
+    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    i_valid = i < ext
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    rows = q_start + i
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=i_valid[:, None] & d_valid[None, :], other=0.0)
+    q_pos = prefix + i
+    kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, ext)  # keys the block's last row can see
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_valid = pos < kv_end
+        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_mask = p_valid[:, None] & d_valid[None, :]
+        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        allowed = (pos[None, :] <= q_pos[:, None]) & p_valid[None, :]
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+             mask=i_valid[:, None] & d_valid[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    table_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    max_extend: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D]; caches [pages, page_size, Hkv, D] (contiguous); table_rows, prefix_lens,
+    extend_lens, q_starts [B] int32; max_extend = max(extend_lens) (sizes the grid).
+    Returns [T, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.stride(-1) == 1
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch_size = table_rows.shape[0]
+    if batch_size == 0 or num_tokens == 0:
+        return out
+    on_gpu = q.is_cuda
+    block_m = block_m or (64 if on_gpu else 16)
+    block_n = block_n or (64 if on_gpu else 16)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    kf = k_cache.view(-1, num_kv_heads, head_dim)
+    vf = v_cache.view(-1, num_kv_heads, head_dim)
+    grid = (batch_size, num_heads, triton.cdiv(max_extend, block_m))
+    _extend_kernel[grid](
+        q, kf, vf, out, page_table, table_rows, prefix_lens, extend_lens, q_starts,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+        page_table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+    )
+    return out

@@ -1,0 +1,109 @@
+"""Each Triton kernel against its plain-torch reference (CPU: under TRITON_INTERPRET=1, in fp32
+and fp16 only; the interpreter's bf16 is wrong). Sizes stay tiny: the interpreter is slow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attn_cases import make_case
+
+from freetoken_core.attention.triton import reference as ref
+from freetoken_core.attention.triton.decode import MAX_SPLITS, decode_attention, num_kv_splits
+from freetoken_core.attention.triton.extend import extend_attention
+from freetoken_core.attention.triton.store_kv import store_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16]
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3}
+HEAD_DIM = 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_store_kv_matches_reference(dtype, page_size):
+    c = make_case([3, 0, 9], [2, 5, 1], 6, 2, HEAD_DIM, page_size, dtype, DEVICE)
+    kc, vc = c.k_cache.clone(), c.v_cache.clone()
+    store_kv(c.k_new, c.v_new, kc, vc, c.out_loc)
+    rk, rv = c.k_cache.clone(), c.v_cache.clone()
+    ref.store_kv_reference(c.k_new, c.v_new, rk, rv, c.out_loc)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+    assert not torch.equal(kc, c.k_cache)  # the write happened
+
+
+def test_store_kv_strided_input_and_cast():
+    """k/v as views of a fused qkv projection (rows not contiguous), fp32 into an fp16 cache."""
+    c = make_case([2, 4], [3, 2], 4, 2, HEAD_DIM, 4, torch.float16, DEVICE)
+    t = c.k_new.shape[0]
+    fused = torch.randn(t, 8, HEAD_DIM, device=DEVICE)  # [q heads | k heads | v heads]
+    k, v = fused[:, 4:6], fused[:, 6:8]
+    kc, vc = c.k_cache.clone(), c.v_cache.clone()
+    store_kv(k, v, kc, vc, c.out_loc.to(torch.int32))
+    rk, rv = c.k_cache.clone(), c.v_cache.clone()
+    ref.store_kv_reference(k, v, rk, rv, c.out_loc)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("rows_per_req", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_reference(dtype, page_size, group, rows_per_req, num_splits):
+    num_kv_heads = 2
+    prefix = [0, 5, 37]  # mixed lengths; the first request has no cached prefix at all
+    c = make_case(prefix, [rows_per_req] * 3, num_kv_heads * group, num_kv_heads, HEAD_DIM, page_size, dtype, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    out = decode_attention(
+        c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens), 0.3,
+        rows_per_req=rows_per_req, num_splits=num_splits, block_n=16,
+    )
+    expect = ref.paged_attention_reference(
+        c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows, c.prefix_lens, c.extend_lens, 0.3
+    )
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_head_dim_not_power_of_two():
+    c = make_case([6, 20], [1, 1], 4, 2, 24, 4, torch.float32, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    out = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens),
+                           0.2, num_splits=2, block_n=16)
+    expect = ref.paged_attention_reference(c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows,
+                                           c.prefix_lens, c.extend_lens, 0.2)
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("group", [1, 3])
+def test_extend_matches_reference(dtype, page_size, group):
+    num_kv_heads = 2
+    prefix, ext = [0, 7, 20], [9, 1, 18]  # fresh prompt, one-token chunk, long chunk over a prefix
+    c = make_case(prefix, ext, num_kv_heads * group, num_kv_heads, HEAD_DIM, page_size, dtype, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    out = extend_attention(
+        c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.prefix_lens),
+        c.ints(c.extend_lens), c.ints(c.q_starts), max(ext), 0.3, block_m=16, block_n=16,
+    )
+    expect = ref.paged_attention_reference(
+        c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows, c.prefix_lens, c.extend_lens, 0.3
+    )
+    torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_and_extend_agree_on_verify_rows():
+    """A verify step (R rows per request) is also an extend of R tokens: both kernels must agree."""
+    c = make_case([4, 13], [3, 3], 6, 2, HEAD_DIM, 4, torch.float32, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    a = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens),
+                         0.25, rows_per_req=3, num_splits=2, block_n=16)
+    b = extend_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.prefix_lens),
+                         c.ints(c.extend_lens), c.ints(c.q_starts), 3, 0.25, block_m=16, block_n=16)
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_num_kv_splits_bounds():
+    assert num_kv_splits(1, 8, 64, 132) == 1  # short context: never split
+    assert num_kv_splits(1, 8, 4096, 132) > 1  # one long request: split to fill the GPU
+    assert num_kv_splits(256, 8, 4096, 132) == 1  # a big batch fills it already
+    assert num_kv_splits(1, 1, 10**6, 132) == MAX_SPLITS
