@@ -1,0 +1,227 @@
+"""The `freetoken` model's runtime: an engine thread that steps the scheduler, a sender thread.
+
+Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
+thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
+round trip to the server), runs `Scheduler.step()` and turns each DetokenizeMsg into a response.
+Responses go through a queue to the sender thread, so a slow `send()` never stalls a step.
+
+Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
+client cancel. The Triton objects stay behind `Transport` so this file runs in unit tests too.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from freetoken_core.messages import DetokenizeMsg
+from freetoken_core.serving.metrics import EngineMetrics
+from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.response import build_outputs, detok_context
+
+log = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    """What the loop needs from Triton's InferenceResponseSender (one `handle` per request)."""
+
+    def send(self, handle: Any, outputs: dict[str, np.ndarray] | None, error: str | None, final: bool) -> None: ...
+
+    def is_cancelled(self, handle: Any) -> bool: ...
+
+
+@dataclass
+class LoopOptions:
+    cancel_check_interval_s: float = 0.05
+    metrics_interval_s: float = 0.2
+    idle_wait_s: float = 0.05
+
+
+@dataclass
+class ActiveRequest:
+    handle: Any
+    parsed: ParsedRequest
+    uid: int
+    t_arrival: float
+    t_first: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    # non-streaming requests: everything is sent once, at the end
+    held_tokens: list[int] = field(default_factory=list)
+    held_logprobs: list[float] = field(default_factory=list)
+    cancelled: bool = False
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.sched = scheduler
+        self.transport = transport
+        self.opt = options or LoopOptions()
+        self.metrics = metrics or EngineMetrics()
+        self._inbox: queue.SimpleQueue[tuple[Any, ParsedRequest, float]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._outbox: queue.SimpleQueue[tuple[Any, dict | None, str | None, bool] | None] = queue.SimpleQueue()
+        self._active: dict[int, ActiveRequest] = {}
+        self._stopping = threading.Event()
+        self._engine_thread = threading.Thread(target=self._engine_main, name="freetoken-engine", daemon=True)
+        self._sender_thread = threading.Thread(target=self._sender_main, name="freetoken-sender", daemon=True)
+
+    # --- called from Triton's execute() thread --------------------------------------------------
+    def start(self) -> None:
+        self._engine_thread.start()
+        self._sender_thread.start()
+
+    def submit(self, handle: Any, parsed: ParsedRequest) -> None:
+        self._inbox.put((handle, parsed, time.perf_counter()))
+        self._wake.set()
+
+    def reject(self, handle: Any, error: str) -> None:
+        """A request that failed validation: one error response carrying the FINAL flag."""
+        self.metrics.count_finish("error")
+        self._outbox.put((handle, None, error, True))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._engine_thread.is_alive():
+            self._engine_thread.join(timeout)
+        self._outbox.put(None)
+        if self._sender_thread.is_alive():
+            self._sender_thread.join(timeout)
+
+    # --- engine thread ------------------------------------------------------------------------
+    def _engine_main(self) -> None:
+        last_cancel_check = last_metrics = 0.0
+        while not self._stopping.is_set():
+            self._admit()
+            now = time.perf_counter()
+            if self._active and now - last_cancel_check >= self.opt.cancel_check_interval_s:
+                self._check_cancelled()
+                last_cancel_check = now
+            if self.sched.has_work():
+                try:
+                    msgs = self.sched.step()
+                except Exception as e:  # an engine failure must not hang clients: fail what is in flight
+                    log.exception("engine step failed")
+                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+                    msgs = []
+                for msg in msgs:
+                    self._on_message(msg)
+            else:
+                self._wake.wait(self.opt.idle_wait_s)
+                self._wake.clear()
+            if now - last_metrics >= self.opt.metrics_interval_s or not self._active:
+                self._push_metrics()
+                last_metrics = now
+        self._fail_all("the server is shutting down")
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                handle, parsed, t_arrival = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                uid = self.sched.add_request(parsed.input_ids, parsed.params)
+            except ValueError as e:
+                self.reject(handle, str(e))
+                continue
+            except Exception as e:  # never let one bad request kill the loop
+                log.exception("add_request failed")
+                self.reject(handle, f"{type(e).__name__}: {e}")
+                continue
+            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival)
+            self.metrics.add_prompt_tokens(len(parsed.input_ids))
+
+    def _check_cancelled(self) -> None:
+        for uid, st in list(self._active.items()):
+            if st.cancelled:
+                continue
+            try:
+                cancelled = self.transport.is_cancelled(st.handle)
+            except Exception:  # the sender is gone (client disconnected): same as a cancel
+                cancelled = True
+            if cancelled:
+                st.cancelled = True
+                self.sched.abort(uid)
+
+    def _on_message(self, msg: DetokenizeMsg) -> None:
+        st = self._active.get(msg.uid)
+        if st is None:
+            return
+        now = time.perf_counter()
+        if msg.next_tokens and st.t_first is None:
+            st.t_first = now
+            self.metrics.observe_ttft(now - st.t_arrival)
+        self.metrics.add_generated_tokens(len(msg.next_tokens))
+        if msg.finished:
+            del self._active[msg.uid]
+            self.metrics.count_finish(msg.finish_reason or "stop")
+            n_out = st.output_ids.__len__() + len(msg.next_tokens)
+            if st.t_first is not None and n_out > 1:
+                self.metrics.observe_tpot((now - st.t_first) / (n_out - 1))
+        if st.cancelled and msg.finished:
+            self._outbox.put((st.handle, None, None, True))  # the FINAL flag alone
+            return
+        if msg.finish_reason == "error" or msg.error:
+            self._outbox.put((st.handle, None, msg.error or "the engine failed this request", True))
+            return
+        if msg.finish_reason == "abort":
+            self._outbox.put((st.handle, None, "the request was aborted", True))
+            return
+        if st.parsed.stream:
+            context = detok_context(st.parsed.input_ids, st.output_ids)
+            outputs = build_outputs(msg, msg.next_tokens, msg.logprobs, context, echo_prompt=False)
+            st.output_ids.extend(msg.next_tokens)
+            if outputs["next_tokens"].size or msg.finished:
+                self._outbox.put((st.handle, outputs, None, msg.finished))
+            return
+        st.output_ids.extend(msg.next_tokens)
+        st.held_tokens.extend(msg.next_tokens)
+        if msg.logprobs:
+            st.held_logprobs.extend(msg.logprobs)
+        if msg.finished:
+            context = detok_context(st.parsed.input_ids, [])
+            outputs = build_outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
+                                    context, echo_prompt=not st.parsed.exclude_input_in_output)
+            self._outbox.put((st.handle, outputs, None, True))
+
+    def _fail_all(self, error: str) -> None:
+        for uid, st in list(self._active.items()):
+            try:
+                self.sched.abort(uid)
+            except Exception:
+                log.exception("abort(%d) failed", uid)
+            self.metrics.count_finish("error")
+            self._outbox.put((st.handle, None, error, True))
+        self._active.clear()
+        # abort() queues final messages; drain them so the scheduler holds nothing for gone requests
+        try:
+            while self.sched.has_work() and not self.sched.running and not self.sched.waiting:
+                self.sched.step()
+        except Exception:
+            log.exception("draining aborted requests failed")
+
+    def _push_metrics(self) -> None:
+        try:
+            self.metrics.set_engine_stats(self.sched.stats())
+        except Exception:
+            log.exception("metrics update failed")
+
+    # --- sender thread --------------------------------------------------------------------------
+    def _sender_main(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            handle, outputs, error, final = item
+            try:
+                self.transport.send(handle, outputs, error, final)
+            except Exception:  # a client that went away: nothing more to tell it
+                log.debug("send failed", exc_info=True)

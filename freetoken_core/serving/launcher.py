@@ -1,0 +1,295 @@
+"""`freetoken-core serve`: render a runtime model repository and run tritonserver on it.
+
+Steps: resolve the model (default: SmolLM2, fetched and converted on first use), copy
+model_repository/ into a runtime directory with the `freetoken` parameters filled from
+FREETOKEN_<NAME> environment variables and command-line overrides, pick free ports (or take the
+given ones), start the tritonserver of the nvidia-pytriton wheel with this venv first on PATH,
+wait until the server and every model are ready, print the ports and a sample client command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from freetoken_core.serving.params import all_param_names, env_overrides
+from freetoken_core.serving.tritonserver import find_tritonserver, server_env
+
+log = logging.getLogger(__name__)
+
+MODEL_NAMES = ("tokenizer", "freetoken", "detokenizer", "ensemble")
+# Instance counts of the stateless Python models, overridable like the engine parameters.
+INSTANCE_ENV = {"tokenizer": "FREETOKEN_TOKENIZER_INSTANCES", "detokenizer": "FREETOKEN_DETOKENIZER_INSTANCES"}
+
+
+def source_repository() -> Path:
+    """model_repository/ next to the package (a source checkout or the Docker image's /opt copy)."""
+    env = os.environ.get("FREETOKEN_MODEL_REPOSITORY")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def free_ports(n: int) -> list[int]:
+    """Ports the OS says are free now (bound together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+_PARAM_RE = r'(parameters\s*\{\s*key:\s*"{key}"\s*value:\s*\{\s*string_value:\s*)"((?:[^"\\]|\\.)*)"'
+
+
+def set_parameter(config_text: str, key: str, value: str) -> str:
+    """Replace one `parameters { key: "K" value: { string_value: "..." } }`, or append it."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    pattern = re.compile(_PARAM_RE.replace("{key}", re.escape(key)))
+    if pattern.search(config_text):
+        return pattern.sub(lambda m: f'{m.group(1)}"{escaped}"', config_text, count=1)
+    return config_text.rstrip("\n") + f'\nparameters {{ key: "{key}" value: {{ string_value: "{escaped}" }} }}\n'
+
+
+def get_parameter(config_text: str, key: str) -> str | None:
+    m = re.search(_PARAM_RE.replace("{key}", re.escape(key)), config_text)
+    return None if m is None else m.group(2).replace('\\"', '"').replace("\\\\", "\\")
+
+
+def set_instance_count(config_text: str, count: int) -> str:
+    return re.sub(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+", rf"\g<1>{count}", config_text, count=1)
+
+
+def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping[str, str] | None = None,
+                      source: Path | None = None) -> Path:
+    """Copy the model repository to dest with the freetoken parameters filled in.
+
+    Precedence: config.pbtxt defaults < FREETOKEN_<NAME> environment < explicit overrides."""
+    environ = os.environ if environ is None else environ
+    source = source or source_repository()
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    cfg_path = dest / "freetoken" / "config.pbtxt"
+    text = cfg_path.read_text()
+    values = {**env_overrides(environ), **{k: v for k, v in overrides.items() if v is not None}}
+    unknown = sorted(set(values) - set(all_param_names()))
+    if unknown:
+        raise ValueError(f"unknown engine parameter(s) {unknown}; known: {all_param_names()}")
+    for key, value in values.items():
+        text = set_parameter(text, key, str(value))
+    cfg_path.write_text(text)
+    # tokenizer and detokenizer load the same tokenizer files as the engine
+    model_path = get_parameter(text, "model_path") or ""
+    for model in ("tokenizer", "detokenizer"):
+        p = dest / model / "config.pbtxt"
+        p.write_text(set_parameter(p.read_text(), "model_path", model_path))
+    for model, var in INSTANCE_ENV.items():
+        if environ.get(var):
+            p = dest / model / "config.pbtxt"
+            p.write_text(set_instance_count(p.read_text(), int(environ[var])))
+    return dest
+
+
+@dataclass
+class ServerHandle:
+    process: subprocess.Popen
+    repo_dir: Path
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path | None = None
+    _owned_dirs: list[Path] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # tritonserver unloads models on SIGINT/SIGTERM
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        for d in self._owned_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+
+
+def wait_ready(handle: ServerHandle, timeout: float = 600.0) -> None:
+    """Poll until the server and every model report ready; fail fast if the server exits."""
+    deadline = time.monotonic() + timeout
+    base = f"http://localhost:{handle.http_port}"
+    while time.monotonic() < deadline:
+        if not handle.alive():
+            raise RuntimeError(f"tritonserver exited with code {handle.process.returncode}:\n{handle.log_tail()}")
+        if _http_ok(f"{base}/v2/health/ready") and all(_http_ok(f"{base}/v2/models/{m}/ready") for m in MODEL_NAMES):
+            return
+        time.sleep(0.5)
+    handle.stop()
+    raise TimeoutError(f"tritonserver was not ready after {timeout:.0f} s:\n{handle.log_tail()}")
+
+
+def start_server(
+    overrides: Mapping[str, str] | None = None,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    repo_dir: Path | None = None,
+    log_path: Path | None = None,
+    extra_args: list[str] | None = None,
+    ready_timeout: float = 600.0,
+) -> ServerHandle:
+    """Start tritonserver on a runtime copy of the repository and wait until it is ready."""
+    overrides = dict(overrides or {})
+    if not overrides.get("model_path") and not os.environ.get("FREETOKEN_MODEL_PATH"):
+        # resolve (fetch + convert) here, with a visible log, instead of inside the server's initialize()
+        from freetoken_core.models.gguf import default_model_path
+
+        overrides["model_path"] = default_model_path()
+    owned: list[Path] = []
+    if repo_dir is None:
+        repo_dir = Path(tempfile.mkdtemp(prefix="freetoken-repo-"))
+        owned.append(repo_dir)
+    render_repository(Path(repo_dir), overrides)
+    install = find_tritonserver()
+    ports = free_ports(3)
+    http_port = http_port or ports[0]
+    grpc_port = grpc_port or ports[1]
+    metrics_port = metrics_port or ports[2]
+    cmd = [
+        str(install.binary),
+        f"--model-repository={repo_dir}",
+        f"--backend-directory={install.backend_dir}",
+        f"--http-port={http_port}",
+        f"--grpc-port={grpc_port}",
+        f"--metrics-port={metrics_port}",
+        "--allow-metrics=true",
+        "--log-verbose=0",
+        *(extra_args or []),
+    ]
+    log.info("starting %s", " ".join(cmd))
+    out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True)
+    handle = ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, owned)
+    try:
+        wait_ready(handle, ready_timeout)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+def sample_commands(handle: ServerHandle) -> str:
+    return "\n".join([
+        f"HTTP     localhost:{handle.http_port}   gRPC localhost:{handle.grpc_port}   metrics {handle.metrics_url}",
+        "Try:",
+        f"  curl -s -X POST localhost:{handle.http_port}/v2/models/ensemble/generate "
+        "-d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 32}'",
+        f"  curl -sN -X POST localhost:{handle.http_port}/v2/models/ensemble/generate_stream "
+        "-d '{\"text_input\": \"Write a haiku about the sea.\", \"max_tokens\": 64, \"stream\": true, "
+        "\"apply_chat_template\": true}'",
+        f"  python client_examples/grpc_stream_chat.py --url localhost:{handle.grpc_port}",
+    ])
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", help="converted model directory (default: SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--max-running-req", help="most requests decoding at once")
+    p.add_argument("--page-size", help="tokens per KV page")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="any other freetoken model parameter (e.g. --param kv_cache_gb=2)")
+    p.add_argument("--http-port", type=int, help="default: a free port")
+    p.add_argument("--grpc-port", type=int, help="default: a free port")
+    p.add_argument("--metrics-port", type=int, help="default: a free port")
+    p.add_argument("--repo-dir", type=Path, help="where to write the runtime model repository (default: a temp dir)")
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """Run the server in the foreground until Ctrl-C (or SIGTERM)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {
+        "model_path": args.model_path, "dtype": args.dtype, "device": args.device,
+        "max_running_req": args.max_running_req, "page_size": args.page_size,
+    }
+    for item in args.param:
+        if "=" not in item:
+            raise SystemExit(f"--param expects NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    handle = start_server(overrides, args.http_port, args.grpc_port, args.metrics_port, args.repo_dir,
+                          ready_timeout=args.ready_timeout)
+    print("\nfreetoken is serving on tritonserver (Ctrl-C stops it)\n" + sample_commands(handle) + "\n", flush=True)
+    stop = {"now": False}
+
+    def _on_term(signum, frame):  # noqa: ARG001
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _on_term)
+    try:
+        while handle.alive() and not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.stop()
+    return 0 if stop["now"] or handle.process.returncode in (0, None, -signal.SIGINT) else handle.process.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="freetoken-core serve", description=__doc__.splitlines()[0])
+    add_serve_args(p)
+    return serve_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

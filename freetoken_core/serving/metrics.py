@@ -1,0 +1,95 @@
+"""Engine metrics on Triton's /metrics endpoint (pb_utils.MetricFamily), and a no-op default.
+
+Every metric update is an IPC message from the Python stub to the server, so the engine loop
+pushes gauges on a timer and batches token counters; only the two histograms (one observation
+per request) go out as they happen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_core.messages import EngineStats
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    """No-op metrics (tests, offline). TritonMetrics sends the same calls to Triton."""
+
+    def observe_ttft(self, seconds: float) -> None: ...
+    def observe_tpot(self, seconds: float) -> None: ...
+    def add_prompt_tokens(self, n: int) -> None: ...
+    def add_generated_tokens(self, n: int) -> None: ...
+    def count_finish(self, reason: str) -> None: ...
+    def set_engine_stats(self, stats: EngineStats) -> None: ...
+
+
+class TritonMetrics(EngineMetrics):
+    def __init__(self, pb_utils: Any, labels: dict[str, str]) -> None:
+        MF = pb_utils.MetricFamily
+
+        def family(name: str, desc: str, kind: Any) -> Any:
+            return MF(name=name, description=desc, kind=kind)
+
+        self._families = [
+            family("freetoken_time_to_first_token_seconds", "Time from request arrival to its first token", MF.HISTOGRAM),
+            family("freetoken_time_per_output_token_seconds", "Mean time per output token after the first, per request", MF.HISTOGRAM),
+            family("freetoken_prompt_tokens_total", "Prompt tokens admitted", MF.COUNTER),
+            family("freetoken_generation_tokens_total", "Tokens generated", MF.COUNTER),
+            family("freetoken_request_finished_total", "Finished requests by finish reason", MF.COUNTER),
+            family("freetoken_num_requests_running", "Requests running in the engine", MF.GAUGE),
+            family("freetoken_num_requests_waiting", "Requests waiting for admission", MF.GAUGE),
+            family("freetoken_kv_cache_usage_ratio", "Fraction of KV cache pages in use", MF.GAUGE),
+            family("freetoken_kv_cache_free_pages", "Free KV cache pages", MF.GAUGE),
+            family("freetoken_kv_cache_total_pages", "Total KV cache pages", MF.GAUGE),
+        ]
+        f = self._families
+        self.ttft = f[0].Metric(labels=labels, buckets=TTFT_BUCKETS)
+        self.tpot = f[1].Metric(labels=labels, buckets=TPOT_BUCKETS)
+        self.prompt_tokens = f[2].Metric(labels=labels)
+        self.generation_tokens = f[3].Metric(labels=labels)
+        self.finished = {r: f[4].Metric(labels={**labels, "finish_reason": r}) for r in FINISH_REASONS}
+        self.running = f[5].Metric(labels=labels)
+        self.waiting = f[6].Metric(labels=labels)
+        self.kv_usage = f[7].Metric(labels=labels)
+        self.kv_free = f[8].Metric(labels=labels)
+        self.kv_total = f[9].Metric(labels=labels)
+        self._pending_prompt = 0
+        self._pending_generated = 0
+        self._last: tuple | None = None
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_tpot(self, seconds: float) -> None:
+        self.tpot.observe(seconds)
+
+    def add_prompt_tokens(self, n: int) -> None:
+        self._pending_prompt += n
+
+    def add_generated_tokens(self, n: int) -> None:
+        self._pending_generated += n
+
+    def count_finish(self, reason: str) -> None:
+        self.finished.get(reason, self.finished["error"]).increment(1)
+
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        # counters are flushed here, on the gauge timer, to keep IPC per step at zero
+        if self._pending_prompt:
+            self.prompt_tokens.increment(self._pending_prompt)
+            self._pending_prompt = 0
+        if self._pending_generated:
+            self.generation_tokens.increment(self._pending_generated)
+            self._pending_generated = 0
+        snap = (stats.num_running, stats.num_waiting, stats.num_free_pages, stats.num_total_pages)
+        if snap == self._last:
+            return
+        self._last = snap
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_free.set(stats.num_free_pages)
+        self.kv_total.set(stats.num_total_pages)

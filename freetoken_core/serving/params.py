@@ -1,0 +1,108 @@
+"""Engine settings of the `freetoken` Triton model: config.pbtxt `parameters` <-> EngineConfig.
+
+Every EngineConfig field is a string parameter of the same name; an empty string means "the
+EngineConfig default". The serve command overrides any of them with FREETOKEN_<NAME> environment
+variables (FREETOKEN_MODEL_PATH, FREETOKEN_DTYPE, FREETOKEN_MAX_RUNNING_REQ, ...) and writes the
+result into the runtime copy of the repository, so the running config.pbtxt is the whole truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any, Mapping
+
+from freetoken_core.config import EngineConfig
+
+ENV_PREFIX = "FREETOKEN_"
+# Serving-only knobs of the freetoken model (not EngineConfig fields).
+SERVING_DEFAULTS: dict[str, str] = {
+    # How often the engine thread asks Triton whether clients cancelled: each ask is an IPC round trip.
+    "cancel_check_interval_ms": "50",
+    # How often gauges/counters are pushed to Triton's metrics (also IPC); histograms go per request.
+    "metrics_interval_ms": "200",
+    # Ceiling on max_tokens per request (0 = only the context length limits it).
+    "max_tokens_limit": "0",
+}
+
+
+def engine_param_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(EngineConfig)]
+
+
+def all_param_names() -> list[str]:
+    return engine_param_names() + list(SERVING_DEFAULTS)
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    """FREETOKEN_<NAME> variables for known parameter names (unknown ones are ignored)."""
+    out = {}
+    for name in all_param_names():
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            out[name] = environ[key]
+    return out
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
+
+
+def _convert(name: str, raw: str, annotation: Any) -> Any:
+    text = raw.strip()
+    args = typing.get_args(annotation) if _is_union(annotation) else ()
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
+    if optional and text.lower() in ("", "none", "null"):
+        return None
+    try:
+        if base is bool:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"engine parameter {name}={raw!r} is not a valid {getattr(base, '__name__', base)}") from None
+    return text
+
+
+def engine_config_from_params(params: Mapping[str, str]) -> EngineConfig:
+    """Build an EngineConfig from string parameters; blank values keep the dataclass default."""
+    hints = typing.get_type_hints(EngineConfig)
+    kwargs: dict[str, Any] = {}
+    for name in engine_param_names():
+        raw = params.get(name)
+        if raw is None or (raw.strip() == "" and name != "model_path"):
+            continue
+        kwargs[name] = _convert(name, raw, hints[name])
+    if not kwargs.get("model_path"):
+        from freetoken_core.models.gguf import default_model_path
+
+        kwargs["model_path"] = default_model_path()
+    cfg = EngineConfig(**kwargs)
+    cfg.validate()
+    return cfg
+
+
+def serving_options(params: Mapping[str, str]) -> dict[str, float]:
+    out = {}
+    for name, default in SERVING_DEFAULTS.items():
+        raw = (params.get(name) or "").strip() or default
+        try:
+            out[name] = float(raw)
+        except ValueError:
+            raise ValueError(f"serving parameter {name}={raw!r} is not a number") from None
+    return out
+
+
+def parse_model_config_params(model_config: str | Mapping[str, Any]) -> dict[str, str]:
+    """Triton hands initialize() the config as JSON: parameters = {key: {"string_value": v}}."""
+    cfg = json.loads(model_config) if isinstance(model_config, str) else model_config
+    return {k: v.get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}

@@ -1,0 +1,57 @@
+"""The serve command's runtime repository: parameters from env/overrides, EngineConfig round trip."""
+
+from pathlib import Path
+
+import pytest
+
+from freetoken_core.serving.launcher import (
+    free_ports, get_parameter, render_repository, set_parameter, source_repository,
+)
+from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params, serving_options
+
+
+def test_set_parameter_replaces_and_appends():
+    text = 'parameters { key: "dtype" value: { string_value: "auto" } }\n'
+    text = set_parameter(text, "dtype", "float32")
+    assert get_parameter(text, "dtype") == "float32"
+    text = set_parameter(text, "model_path", '/a "quoted" \\path')
+    assert get_parameter(text, "model_path") == '/a "quoted" \\path'
+    assert text.count("parameters") == 2
+
+
+def test_render_repository_env_and_overrides(tmp_path: Path):
+    env = {"FREETOKEN_DTYPE": "float32", "FREETOKEN_MAX_RUNNING_REQ": "4", "FREETOKEN_DETOKENIZER_INSTANCES": "3",
+           "FREETOKEN_NOT_A_PARAM": "x"}
+    repo = render_repository(tmp_path / "repo", {"max_running_req": "8", "model_path": "/models/m"}, env)
+    cfg = (repo / "freetoken" / "config.pbtxt").read_text()
+    assert get_parameter(cfg, "dtype") == "float32"  # from env
+    assert get_parameter(cfg, "max_running_req") == "8"  # override beats env
+    for model in ("freetoken", "tokenizer", "detokenizer"):
+        assert get_parameter((repo / model / "config.pbtxt").read_text(), "model_path") == "/models/m"
+    assert "count: 3" in (repo / "detokenizer" / "config.pbtxt").read_text()
+    assert (repo / "ensemble" / "config.pbtxt").is_file()
+    # the source repository is untouched
+    assert get_parameter((source_repository() / "freetoken" / "config.pbtxt").read_text(), "model_path") == ""
+    with pytest.raises(ValueError, match="unknown engine parameter"):
+        render_repository(tmp_path / "r2", {"max_runing_req": "8"}, {})
+
+
+def test_params_to_engine_config():
+    params = parse_model_config_params({"parameters": {
+        "model_path": {"string_value": "/m"}, "dtype": {"string_value": "float32"},
+        "max_running_req": {"string_value": "16"}, "num_pages": {"string_value": ""},
+        "cuda_graph": {"string_value": "false"}, "kv_cache_gb": {"string_value": "0.25"},
+    }})
+    cfg = engine_config_from_params(params)
+    assert (cfg.model_path, cfg.dtype, cfg.max_running_req, cfg.num_pages, cfg.cuda_graph, cfg.kv_cache_gb) == \
+        ("/m", "float32", 16, None, False, 0.25)
+    with pytest.raises(ValueError, match="max_running_req"):
+        engine_config_from_params({"model_path": "/m", "max_running_req": "many"})
+    with pytest.raises(ValueError, match="max_running_req must be >= 1"):
+        engine_config_from_params({"model_path": "/m", "max_running_req": "0"})
+    assert serving_options({})["cancel_check_interval_ms"] == 50.0
+
+
+def test_free_ports_distinct():
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(p > 0 for p in ports)

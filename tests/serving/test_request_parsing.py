@@ -1,0 +1,79 @@
+"""Request tensors -> SamplingParams: the validation every Triton client hits first."""
+
+import json
+
+import numpy as np
+import pytest
+
+from freetoken_core.serving.request import parse_request, parse_sampling_parameters
+
+
+def _t(**kw):
+    out = {"input_ids": np.array([1, 2, 3], dtype=np.int32)}
+    for k, v in kw.items():
+        out[k] = v if isinstance(v, np.ndarray) else np.array([v])
+    return out
+
+
+def test_defaults_and_explicit_tensors():
+    r = parse_request(_t(max_tokens=np.array([7], np.int32), temperature=np.array([0.5], np.float32),
+                         top_k=np.array([20], np.int32), random_seed=np.array([3], np.uint64),
+                         stream=np.array([True]), min_length=np.array([2], np.int32)))
+    assert r.input_ids == [1, 2, 3]
+    assert (r.params.max_tokens, r.params.temperature, r.params.top_k, r.params.seed, r.params.min_tokens) == (7, 0.5, 20, 3, 2)
+    assert r.stream and r.exclude_input_in_output and not r.return_logprobs
+
+
+def test_genai_perf_vllm_payload_string_values():
+    # genai-perf's vllm converter sends numbers as strings inside the JSON
+    sp = json.dumps({"max_tokens": "128", "min_tokens": "128"})
+    r = parse_request(_t(sampling_parameters=np.array([sp.encode()], dtype=object),
+                         exclude_input_in_output=np.array([True]), stream=np.array([True])))
+    assert r.params.max_tokens == 128 and r.params.min_tokens == 128
+
+
+def test_tensor_overrides_sampling_parameters():
+    sp = json.dumps({"max_tokens": 50, "temperature": 0.7, "stop": "###"})
+    r = parse_request(_t(sampling_parameters=np.array([sp.encode()], dtype=object), max_tokens=np.array([5], np.int32),
+                         stop_words=np.array([b"END", b""], dtype=object)))
+    assert r.params.max_tokens == 5 and r.params.temperature == pytest.approx(0.7)
+    assert r.params.stop == ["###", "END"]
+
+
+def test_return_logprobs_asks_engine_for_logprobs():
+    r = parse_request(_t(return_logprobs=np.array([True])))
+    assert r.return_logprobs and r.params.logprobs == 0
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"max_tokens": np.array([0], np.int32)}, "max_tokens must be >= 1"),
+    ({"max_tokens": np.array([-3], np.int32)}, "max_tokens must be >= 1"),
+    ({"top_p": np.array([2.0], np.float32)}, "top_p"),
+    ({"sampling_parameters": np.array([b"{not json"], dtype=object)}, "not valid JSON"),
+    ({"sampling_parameters": np.array([b'{"max_tokens": "many"}'], dtype=object)}, "max_tokens"),
+    ({"sampling_parameters": np.array([b'{"frobnicate": 1}'], dtype=object)}, "unknown key"),
+    ({"sampling_parameters": np.array([b'{"presence_penalty": 1.0}'], dtype=object)}, "unsupported"),
+    ({"sampling_parameters": np.array([b"[1, 2]"], dtype=object)}, "JSON object"),
+    ({"bad_words": np.array([b"foo"], dtype=object)}, "bad_words is not supported"),
+    ({"beam_width": np.array([4], np.int32)}, "beam_width"),
+])
+def test_bad_inputs_name_the_problem(kw, match):
+    with pytest.raises(ValueError, match=match):
+        parse_request(_t(**kw))
+
+
+def test_max_tokens_limit_and_vocab():
+    with pytest.raises(ValueError, match="exceeds the limit of 10"):
+        parse_request(_t(max_tokens=np.array([11], np.int32)), max_tokens_limit=10)
+    with pytest.raises(ValueError, match="input_ids must be in"):
+        parse_request({"input_ids": np.array([5, 300], np.int32)}, vocab_size=256)
+    with pytest.raises(ValueError, match="empty"):
+        parse_request({"input_ids": np.zeros((0,), np.int32)})
+    with pytest.raises(ValueError, match="input_ids"):
+        parse_request({})
+
+
+def test_sampling_parameters_types():
+    d = parse_sampling_parameters('{"ignore_eos": "true", "top_p": "0.9", "seed": 4, "stop": ["a", "b"]}')
+    assert d == {"ignore_eos": True, "top_p": 0.9, "seed": 4, "stop": ["a", "b"]}
+    assert parse_sampling_parameters("") == {}
