@@ -1,0 +1,121 @@
+"""Attention through flash-attn's paged-KV entry points (optional: only when `flash_attn` imports).
+
+flash-attn reads a paged cache laid out [num_blocks, page_block_size, Hkv, D] with a
+`block_table` [B, max_blocks_per_seq] int32: the same layout and table as ours, so each step
+passes `page_table[rows]`. Its paged kernels need page_block_size to be a multiple of 256
+(documented in flash_attn_with_kvcache); other page sizes are refused at construction.
+
+- decode / verify (R rows per request): `flash_attn_with_kvcache(q [B, R, H, D], ...,
+  cache_seqlens, block_table, causal=True)`.
+- prefill: `flash_attn_varlen_func(q [T, H, D], k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, ...,
+  causal=True, block_table=...)`, cu_seqlens_k counting cached + new keys.
+Both align the causal mask to the end of the keys (query i of n sees keys up to kv_len - n + i),
+which is our "prefix + i" since the new K/V are stored first (KVCache.store).
+
+Not exercised by this project's tests: flash-attn is installed neither on CI nor on the GPU host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core import Batch
+from ..kvcache.pool import KVCache
+from .base import AttnBackend, AttnLayout, BackendInfo
+
+FA_PAGE_MULTIPLE = 256
+
+
+def import_flash_attn() -> Any:
+    try:
+        import flash_attn
+    except ImportError as e:
+        raise ImportError(
+            "attention backend 'fa' needs the `flash_attn` package (pip install flash-attn, a CUDA build); "
+            "use attention_backend='triton' or 'torch' instead"
+        ) from e
+    return flash_attn
+
+
+@dataclass
+class FlashAttnMetadata:
+    block_table: torch.Tensor  # [B, pages_per_row] int32
+    seq_lens: torch.Tensor  # [B] int32
+    rows_per_req: int
+    cu_seqlens_q: torch.Tensor | None = None  # prefill: [B + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+def _cumsum0(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+class FlashAttnBackend(AttnBackend):
+    info = BackendInfo(
+        name="fa",
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        supports_page_size_gt1=True,
+        supports_cuda_graph=False,
+    )
+
+    def __init__(self, layout: AttnLayout, kv_cache: KVCache, page_table: torch.Tensor) -> None:
+        flash_attn = import_flash_attn()
+        super().__init__(layout, kv_cache, page_table)
+        if kv_cache.device.type != "cuda":
+            raise ValueError("attention backend 'fa' runs on CUDA only; use 'torch' on CPU")
+        if self.page_size % FA_PAGE_MULTIPLE:
+            raise ValueError(
+                f"attention backend 'fa' needs page_size to be a multiple of {FA_PAGE_MULTIPLE} "
+                f"(flash-attn's paged KV limit), got {self.page_size}"
+            )
+        self._with_kvcache = flash_attn.flash_attn_with_kvcache
+        self._varlen = flash_attn.flash_attn_varlen_func
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        dev = self.page_table.device
+        rows = torch.tensor([r.table_row for r in batch.reqs], dtype=torch.int64).to(dev, non_blocking=True)
+        seq_lens = batch.seq_lens
+        if batch.phase == "prefill":
+            ints = torch.tensor(
+                [seq_lens, _cumsum0(batch.extend_lens)[1:], _cumsum0(seq_lens)[1:]], dtype=torch.int32
+            ).to(dev, non_blocking=True)
+            zero = torch.zeros(1, dtype=torch.int32, device=dev)
+            batch.attn_metadata = FlashAttnMetadata(
+                block_table=self.page_table[rows], seq_lens=ints[0], rows_per_req=1,
+                cu_seqlens_q=torch.cat([zero, ints[1]]), cu_seqlens_k=torch.cat([zero, ints[2]]),
+                max_seqlen_q=max(batch.extend_lens), max_seqlen_k=max(seq_lens),
+            )
+            return
+        rows_per_req = 1 if batch.phase == "decode" else batch.rows_per_req
+        batch.attn_metadata = FlashAttnMetadata(
+            block_table=self.page_table[rows],
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            rows_per_req=rows_per_req,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        self.kv_cache.store(layer_id, batch.out_loc, k, v)
+        md: FlashAttnMetadata = batch.attn_metadata
+        k_cache, v_cache = self.kv_cache.layer(layer_id)
+        num_rows, num_heads, head_dim = q.shape
+        if md.cu_seqlens_q is not None:
+            out = self._varlen(
+                q.contiguous(), k_cache, v_cache, md.cu_seqlens_q, md.cu_seqlens_k, md.max_seqlen_q,
+                md.max_seqlen_k, softmax_scale=self.layout.scale, causal=True, block_table=md.block_table,
+            )
+        else:
+            qb = q.contiguous().view(-1, md.rows_per_req, num_heads, head_dim)
+            out = self._with_kvcache(
+                qb, k_cache, v_cache, cache_seqlens=md.seq_lens, block_table=md.block_table,
+                softmax_scale=self.layout.scale, causal=True,
+            )
+        return out.reshape(num_rows, num_heads * head_dim)

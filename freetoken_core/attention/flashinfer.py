@@ -1,0 +1,100 @@
+"""Attention through flashinfer's paged wrappers (optional: only when `flashinfer` imports).
+
+Our KV layout is flashinfer's NHD paged layout ([num_pages, page_size, Hkv, D] per layer, k and v
+separate), so the cache is passed as-is. flashinfer describes each request's pages in CSR form:
+`indptr` [B + 1] (page offsets), `indices` (page ids, request after request) and `last_page_len`
+[B] (1..page_size). Decode batches use BatchDecodeWithPagedKVCacheWrapper; prefill and verify
+batches use BatchPrefillWithPagedKVCacheWrapper with causal=True, whose mask is aligned to the end
+of the keys (query i of n sees keys up to kv_len - n + i): exactly our "prefix + i".
+
+`plan` runs once per step (it reads the CPU-side lengths); `run` once per layer. New K/V are
+written with KVCache.store. No CUDA-graph support here (use the triton backend for graphs).
+Not exercised by this project's tests: flashinfer is installed neither on CI nor on the GPU host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core import Batch
+from ..kvcache.pool import KVCache
+from .base import AttnBackend, AttnLayout, BackendInfo
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's documented example size
+
+
+def import_flashinfer() -> Any:
+    try:
+        import flashinfer
+    except ImportError as e:
+        raise ImportError(
+            "attention backend 'flashinfer' needs the `flashinfer` package (pip install flashinfer-python); "
+            "use attention_backend='triton' or 'torch' instead"
+        ) from e
+    return flashinfer
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: Any  # the planned decode or prefill wrapper
+
+
+def paged_kv_csr(batch: Batch, page_table: torch.Tensor, page_size: int):
+    """(indptr [B+1] cpu, indices [total pages] on the table's device, last_page_len [B] cpu), int32."""
+    pages_per_row = page_table.shape[1]
+    indptr, flat, last = [0], [], []
+    for req, seq in zip(batch.reqs, batch.seq_lens):
+        n = (seq + page_size - 1) // page_size
+        flat.extend(range(req.table_row * pages_per_row, req.table_row * pages_per_row + n))
+        indptr.append(indptr[-1] + n)
+        last.append(seq - (n - 1) * page_size)
+    flat_idx = torch.tensor(flat, dtype=torch.int64).to(page_table.device, non_blocking=True)
+    indices = page_table.view(-1)[flat_idx]  # a device gather: no sync
+    return (torch.tensor(indptr, dtype=torch.int32), indices, torch.tensor(last, dtype=torch.int32))
+
+
+class FlashInferBackend(AttnBackend):
+    info = BackendInfo(
+        name="flashinfer",
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        supports_page_size_gt1=True,
+        supports_cuda_graph=False,
+    )
+
+    def __init__(self, layout: AttnLayout, kv_cache: KVCache, page_table: torch.Tensor) -> None:
+        flashinfer = import_flashinfer()
+        super().__init__(layout, kv_cache, page_table)
+        if kv_cache.device.type != "cuda":
+            raise ValueError("attention backend 'flashinfer' runs on CUDA only; use 'torch' on CPU")
+        self.dtype = kv_cache.shape.dtype
+        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=kv_cache.device)
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        ly = self.layout
+        indptr, indices, last = paged_kv_csr(batch, self.page_table, self.page_size)
+        if batch.phase == "decode":
+            self.decode_wrapper.plan(
+                indptr, indices, last, ly.num_heads, ly.num_kv_heads, ly.head_dim, self.page_size,
+                pos_encoding_mode="NONE", sm_scale=ly.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            )
+            batch.attn_metadata = FlashInferMetadata(self.decode_wrapper)
+            return
+        qo_indptr = torch.zeros(batch.size + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.cumsum(torch.tensor(batch.extend_lens, dtype=torch.int32), 0)
+        self.prefill_wrapper.plan(
+            qo_indptr, indptr, indices, last, ly.num_heads, ly.num_kv_heads, ly.head_dim, self.page_size,
+            causal=True, sm_scale=ly.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+        )
+        batch.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        self.kv_cache.store(layer_id, batch.out_loc, k, v)
+        md: FlashInferMetadata = batch.attn_metadata
+        out = md.wrapper.run(q.contiguous(), self.kv_cache.layer(layer_id))  # [T, H, D]
+        return out.reshape(out.shape[0], -1)
