@@ -1,0 +1,98 @@
+"""load_model: config.json + safetensors (one file or index-sharded) -> a ready model on a device.
+
+Parameters are allocated directly in the target dtype on the target device and filled tensor by
+tensor from `safe_open` (memory-mapped), so peak host memory stays near one tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+from .registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """'auto' -> bf16 on CUDA, fp32 on CPU; otherwise float32/bfloat16/float16 and their short names."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPE_NAMES[name]
+
+
+def check_model_path(model_path: str | Path) -> Path:
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model path {str(path)!r} has no config.json (expected a Hugging Face model directory)")
+    return path
+
+
+def load_config(model_path: str | Path):
+    """The HF config object, read from the local directory only (never the hub)."""
+    return AutoConfig.from_pretrained(str(check_model_path(model_path)), local_files_only=True)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path} (model.safetensors or model.safetensors.index.json)")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"missing checkpoint shard(s) listed in the index: {', '.join(missing)}")
+    return files
+
+
+def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, cpu tensor) for every tensor of every shard, with a progress bar over tensors."""
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc=f"Loading weights ({len(files)} shard{'s' if len(files) > 1 else ''})",
+              unit="tensor", disable=not progress) as bar:
+        for h in handles:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
+                bar.update(1)
+
+
+def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
+               device: torch.device | str = "cpu", progress: bool = True) -> torch.nn.Module:
+    path = check_model_path(model_path)
+    device = torch.device(device)
+    dtype = parse_dtype(dtype, device)
+    config = load_config(path)
+    cls = get_model_class(config)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model = cls(config, dtype)
+    model.load_weights(iter_safetensors(safetensors_files(path), progress))
+    model.eval()
+    logger.info("loaded %s (%s, %s) from %s in %.1f s", cls.__name__, dtype, device, path, time.perf_counter() - t0)
+    return model
