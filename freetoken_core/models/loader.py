@@ -82,8 +82,24 @@ def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple
                 bar.update(1)
 
 
+def init_dummy_weights_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes (benchmarks of real model shapes without checkpoints):
+    norms 1, biases 0, everything else N(0, 0.02), drawn on the parameters' own device."""
+    gen: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                g = gen.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+                p.normal_(0.0, 0.02, generator=g)
+
+
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", progress: bool = True) -> torch.nn.Module:
+               device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto") -> torch.nn.Module:
+    """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights."""
     path = check_model_path(model_path)
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
@@ -92,7 +108,12 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     t0 = time.perf_counter()
     with torch.device(device):
         model = cls(config, dtype)
-    model.load_weights(iter_safetensors(safetensors_files(path), progress))
+    if load_format == "dummy":
+        init_dummy_weights_(model)
+    elif load_format == "auto":
+        model.load_weights(iter_safetensors(safetensors_files(path), progress))
+    else:
+        raise ValueError(f"unknown load_format {load_format!r}; use auto or dummy")
     model.eval()
     logger.info("loaded %s (%s, %s) from %s in %.1f s", cls.__name__, dtype, device, path, time.perf_counter() - t0)
     return model

@@ -1,0 +1,112 @@
+"""Engine and sampling configuration: plain dataclasses, validated where users fill them in."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (names follow vLLM's SamplingParams)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = -1  # -1 or 0: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # per-request generator: same seed, same tokens, whatever the batch
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; n: plus top-n
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, max_new_tokens_limit: int | None = None) -> None:
+        """Raise ValueError naming the limit for anything a user can get wrong."""
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if max_new_tokens_limit is not None and self.max_tokens > max_new_tokens_limit:
+            raise ValueError(
+                f"max_tokens={self.max_tokens} exceeds the limit of {max_new_tokens_limit} new tokens"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is larger than max_tokens={self.max_tokens}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        """Build from a JSON-like dict (vLLM-backend `sampling_parameters`); unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def copy(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start. Defaults suit a small model on CPU."""
+
+    model_path: str
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer | fa
+    max_running_req: int = 32
+    page_size: int = 16
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
+    max_extend_tokens: int = 2048  # token budget of one prefill step (chunked prefill)
+    kv_cache_gb: float = 1.0  # CPU: memory budget of the KV cache
+    memory_fraction: float = 0.85  # CUDA: fraction of free memory for the KV cache after weights
+    num_pages: int | None = None  # explicit page count (overrides both budgets; tests use it)
+    decode_rows_per_req: int = 1  # query rows one request may run per decode step (speculation: k+1)
+    cuda_graph: bool = True  # capture decode with CUDA graphs (CUDA only)
+    cuda_graph_max_bs: int | None = None
+    overlap_schedule: bool = True  # CUDA only
+    seed: int = 0
+    load_format: str = "auto"  # auto: safetensors; dummy: random weights from config.json (benchmarks)
+
+    def validate(self) -> None:
+        if self.max_running_req < 1:
+            raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be >= 1, got {self.max_extend_tokens}")
+        if self.decode_rows_per_req < 1:
+            raise ValueError(f"decode_rows_per_req must be >= 1, got {self.decode_rows_per_req}")
+        if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if not (0.0 < self.memory_fraction <= 1.0):
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -1,0 +1,182 @@
+"""Engine: owns the model, the paged KV cache, the attention backend and the sampler; runs one Batch."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..attention import AttnBackend, create_backend
+from ..config import EngineConfig
+from ..core import Batch, Context, Phase, Req, set_context
+from ..kvcache.manager import CacheManager, pages_for
+from ..kvcache.pool import KVCache, KVCacheShape
+from .graph import GraphRunner, default_bs_list
+from .sampler import SampleOutput, Sampler
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+MAX_DEFAULT_SEQ_LEN = 32768
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        from ..models.loader import load_model
+
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format)
+        model_max = int(getattr(self.model.config, "max_position_embeddings", MAX_DEFAULT_SEQ_LEN) or MAX_DEFAULT_SEQ_LEN)
+        self.max_seq_len = config.max_seq_len or min(model_max, MAX_DEFAULT_SEQ_LEN)
+        # the longest request leaves room for a widened (speculative) step inside its page-table row
+        self.max_req_len = self.max_seq_len - (config.decode_rows_per_req - 1)
+        layout = self.model.attn_layout()
+        shape = KVCacheShape(self.model.num_layers, layout.num_kv_heads, layout.head_dim, config.page_size, self.dtype)
+        num_pages = self._num_pages(shape)
+        self.kv_cache = KVCache(shape, num_pages, self.device)
+        self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device)
+        self.attn_backend: AttnBackend = create_backend(config.attention_backend, layout, self.kv_cache, self.cache.page_table)
+        self.ctx = Context(kv_cache=self.kv_cache, attn_backend=self.attn_backend)
+        self.sampler = Sampler(self.device, config.seed)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.graph_runner: GraphRunner | None = None
+        if self.device.type == "cuda" and config.cuda_graph:
+            if self.attn_backend.info.supports_cuda_graph:
+                self._capture_graphs()
+            else:
+                log.warning("attention backend %s cannot capture CUDA graphs; decoding eagerly", self.attn_backend.info.name)
+        log.info(
+            "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_seq_len %d, backend %s",
+            config.model_path, self.device, self.dtype, num_pages - 1, config.page_size, self.max_seq_len,
+            self.attn_backend.info.name,
+        )
+
+    def _num_pages(self, shape: KVCacheShape) -> int:
+        cfg = self.config
+        # never more than every row could use at full length (+1 dummy page)
+        useful = cfg.max_running_req * pages_for(self.max_seq_len, cfg.page_size) + 1
+        if cfg.num_pages is not None:
+            return min(cfg.num_pages, useful)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.memory_fraction
+        else:
+            budget = cfg.kv_cache_gb * (1 << 30)
+        n = int(budget // shape.bytes_per_page())
+        if n < 2:
+            raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB holds no page of {shape.bytes_per_page()} bytes")
+        return min(n, useful)
+
+    def _capture_graphs(self) -> None:
+        max_bs = min(self.config.cuda_graph_max_bs or self.config.max_running_req, self.config.max_running_req)
+        self.graph_runner = GraphRunner(
+            self.ctx, self._logits_of_all_rows, default_bs_list(max_bs), self.cache.dummy_row,
+            self.max_seq_len, self.device, rows_per_req=1,
+        )
+        self.graph_runner.capture()
+
+    def _logits_of_all_rows(self, batch: Batch) -> torch.Tensor:
+        return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions))
+
+    # --- batch construction -----------------------------------------------------------------
+    def prepare_batch(self, phase: Phase, reqs: list[Req], extend_lens: list[int], rows_per_req: int = 1) -> Batch:
+        """Build the step's tensors. Each request runs tokens [cached_len, cached_len + extend_len);
+        its pages must already cover them. A request is sampled when the step reaches its seq_len."""
+        cache = self.cache
+        ids: list[int] = []
+        pos: list[int] = []
+        loc: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[int] = []
+        prefix_lens = []
+        row = 0
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+            start = req.cached_len
+            prefix_lens.append(start)
+            all_ids = req.input_ids + req.output_ids
+            ids.extend(all_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            loc.extend(cache.slots(req, start, start + n))
+            row += n
+            if phase == "verify":
+                sample_rows.extend(range(row - n, row))
+                sample_reqs.extend([i] * n)
+            elif start + n >= req.seq_len:
+                sample_rows.append(row - 1)
+                sample_reqs.append(i)
+        dev = self.device
+        return Batch(
+            phase=phase,
+            reqs=reqs,
+            extend_lens=list(extend_lens),
+            prefix_lens=prefix_lens,
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            out_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sample_reqs=sample_reqs,
+            rows_per_req=rows_per_req,
+        )
+
+    # --- forward ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch, **override: Any) -> torch.Tensor:
+        """Run the model over the batch's rows; returns the final hidden states [T, hidden].
+
+        `override` swaps Context fields for this call (a draft model on its own KV pool/backend)."""
+        self.cache.flush()
+        with self.ctx.override(batch=batch, **override) as ctx:
+            set_context(ctx)
+            try:
+                ctx.attn_backend.prepare_metadata(batch)
+                return self.model.forward(batch.input_ids, batch.positions)
+            finally:
+                set_context(None)
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: Batch, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [R, vocab] of the rows the batch samples."""
+        if batch.sample_rows.numel() == 0:
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        rows = hidden if batch.sample_rows.numel() == hidden.shape[0] else hidden[batch.sample_rows]
+        return self.model.lm_head.logits(rows)
+
+    @torch.inference_mode()
+    def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
+        """Forward + sample. `banned` maps a sampled row to token ids it may not produce (min_tokens)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            self.cache.flush()
+            logits = self.graph_runner.replay(batch)
+        else:
+            hidden = self.forward_batch(batch)
+            logits = self.forward_logits(batch, hidden)
+        if logits.shape[0] == 0:
+            return SampleOutput(tokens=[])
+        if banned:
+            for r, ids in banned.items():
+                logits[r, ids] = float("-inf")
+        reqs = [batch.reqs[i] for i in batch.sample_reqs]
+        return self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])

@@ -1,0 +1,107 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
+A seeded request draws its noise from its own generator, one vocabulary-sized vector per token,
+so its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingParams
+
+
+@dataclass
+class SampleOutput:
+    tokens: list[int]
+    logprobs: list[float] | None = None  # log-probability of each sampled token (raw model distribution)
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits [R, V] (already temperature-scaled) outside top-k / top-p / min-p with -inf.
+
+    top_k <= 0 disables top-k; top_p == 1 disables top-p; min_p == 0 disables min-p.
+    """
+    vocab = logits.shape[-1]
+    need_sort = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
+    if need_sort:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+        remove = ranks >= k[:, None]
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
+        cum_before = probs.cumsum(dim=-1) - probs
+        remove |= cum_before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SampleOutput:
+        """logits [R, V] float32, one row per sampled request row."""
+        num_rows = logits.shape[0]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        if greedy_rows:
+            if len(greedy_rows) == num_rows:
+                tokens = logits.argmax(dim=-1)
+            else:
+                idx = torch.tensor(greedy_rows, device=logits.device)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            sub = [params[i] for i in random_rows]
+            dev = logits.device
+            temp = torch.tensor([p.temperature for p in sub], dtype=torch.float32, device=dev)
+            scaled = logits[idx] / temp[:, None]
+            scaled = apply_filters(
+                scaled,
+                torch.tensor([p.top_k for p in sub], dtype=torch.int64, device=dev),
+                torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=dev),
+                torch.tensor([p.min_p for p in sub], dtype=torch.float32, device=dev),
+            )
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=generators[i] or self.generator)
+            tokens[idx] = (probs / noise).argmax(dim=-1)
+        out = SampleOutput(tokens=tokens.tolist())
+        want_lp = [p.logprobs is not None for p in params]
+        if any(want_lp):
+            logprobs = logits.log_softmax(dim=-1)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+            max_n = max(p.logprobs or 0 for p in params)
+            if max_n > 0:
+                top_v, top_i = logprobs.topk(max_n, dim=-1)
+                top_v, top_i = top_v.tolist(), top_i.tolist()
+                out.top_logprobs = [
+                    dict(zip(top_i[r][: params[r].logprobs or 0], top_v[r][: params[r].logprobs or 0]))
+                    for r in range(num_rows)
+                ]
+        return out
