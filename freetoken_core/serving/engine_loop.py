@@ -23,7 +23,8 @@ import numpy as np
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.metrics import EngineMetrics
 from freetoken_core.serving.request import ParsedRequest
-from freetoken_core.serving.response import build_outputs, detok_context
+from freetoken_core.serving.response import build_outputs
+from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ActiveRequest:
     uid: int
     t_arrival: float
     t_first: float | None = None
+    window: DetokWindow | None = None  # where the detokenizer's context starts (streaming only)
     output_ids: list[int] = field(default_factory=list)
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
@@ -69,6 +71,8 @@ class EngineLoop:
         self._outbox: queue.SimpleQueue[tuple[Any, dict | None, str | None, bool] | None] = queue.SimpleQueue()
         self._active: dict[int, ActiveRequest] = {}
         self._stopping = threading.Event()
+        # the tokenizer's anchor table (computed once, here, not on the first request)
+        self._anchors = scheduler.tokenizer.anchors
         self._engine_thread = threading.Thread(target=self._engine_main, name="freetoken-engine", daemon=True)
         self._sender_thread = threading.Thread(target=self._sender_main, name="freetoken-sender", daemon=True)
 
@@ -136,7 +140,8 @@ class EngineLoop:
                 log.exception("add_request failed")
                 self.reject(handle, f"{type(e).__name__}: {e}")
                 continue
-            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival)
+            window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
+            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
 
     def _check_cancelled(self) -> None:
@@ -176,9 +181,10 @@ class EngineLoop:
             self._outbox.put((st.handle, None, "the request was aborted", True))
             return
         if st.parsed.stream:
-            context = detok_context(st.parsed.input_ids, st.output_ids)
-            outputs = build_outputs(msg, msg.next_tokens, msg.logprobs, context, echo_prompt=False)
+            context = st.output_ids[st.window.start():]
+            outputs = build_outputs(msg, msg.next_tokens, msg.logprobs, context, "", st.parsed.detok_params)
             st.output_ids.extend(msg.next_tokens)
+            st.window.push(msg.next_tokens)
             if outputs["next_tokens"].size or msg.finished:
                 self._outbox.put((st.handle, outputs, None, msg.finished))
             return
@@ -187,9 +193,8 @@ class EngineLoop:
         if msg.logprobs:
             st.held_logprobs.extend(msg.logprobs)
         if msg.finished:
-            context = detok_context(st.parsed.input_ids, [])
             outputs = build_outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                    context, echo_prompt=not st.parsed.exclude_input_in_output)
+                                    [], st.parsed.prompt_text, st.parsed.detok_params)
             self._outbox.put((st.handle, outputs, None, True))
 
     def _fail_all(self, error: str) -> None:

@@ -214,7 +214,7 @@ def start_server(
     ]
     log.info("starting %s", " ".join(cmd))
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT if out else None,
+    proc = subprocess.Popen(cmd, env=server_env(install), stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True)
     handle = ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, owned)
     try:

@@ -82,13 +82,19 @@ def engine_config_from_params(params: Mapping[str, str]) -> EngineConfig:
         if raw is None or (raw.strip() == "" and name != "model_path"):
             continue
         kwargs[name] = _convert(name, raw, hints[name])
-    if not kwargs.get("model_path"):
-        from freetoken_core.models.gguf import default_model_path
-
-        kwargs["model_path"] = default_model_path()
+    kwargs["model_path"] = resolve_model_path(kwargs.get("model_path") or "")
     cfg = EngineConfig(**kwargs)
     cfg.validate()
     return cfg
+
+
+def resolve_model_path(path: str) -> str:
+    """"" means the default model (SmolLM2-135M-Instruct, fetched and converted on first use)."""
+    if path.strip():
+        return path.strip()
+    from freetoken_core.models.gguf import default_model_path
+
+    return default_model_path()
 
 
 def serving_options(params: Mapping[str, str]) -> dict[str, float]:

@@ -37,6 +37,8 @@ class ParsedRequest:
     # request prepends the prompt text (the vLLM backend's echo).
     exclude_input_in_output: bool = True
     return_logprobs: bool = False
+    prompt_text: str = ""  # put before the output (non-streaming echo), else ""
+    detok_params: str = ""  # the detokenizer's settings as JSON ("" = defaults)
 
 
 def _scalar(arr: np.ndarray | None) -> Any:
@@ -183,10 +185,33 @@ def parse_request(
     params = SamplingParams(**kwargs)
     params.validate(max_tokens_limit or None)
     exclude = _scalar(tensors.get("exclude_input_in_output"))
+    exclude = True if exclude is None else bool(exclude)
+    stream = bool(_scalar(tensors.get("stream")) or False)
+    prompt = _scalar(tensors.get("text_input"))
     return ParsedRequest(
         input_ids=[int(t) for t in ids],
         params=params,
-        stream=bool(_scalar(tensors.get("stream")) or False),
-        exclude_input_in_output=True if exclude is None else bool(exclude),
+        stream=stream,
+        exclude_input_in_output=exclude,
         return_logprobs=params.logprobs is not None,
+        prompt_text=_text(prompt) if (prompt is not None and not exclude and not stream) else "",
+        detok_params=detok_params_json(params),
     )
+
+
+def detok_params_json(params: SamplingParams) -> str:
+    """What the stateless detokenizer must know about a request, as JSON; "" when all are defaults."""
+    d: dict[str, Any] = {}
+    if params.stop:
+        d["stop"] = list(params.stop)
+    if params.include_stop_str_in_output:
+        d["include_stop_str_in_output"] = True
+    if not params.skip_special_tokens:
+        d["skip_special_tokens"] = False
+    return json.dumps(d) if d else ""
+
+
+def parse_detok_params(text: str) -> tuple[list[str], bool, bool]:
+    """(stop strings, include_stop_str_in_output, skip_special_tokens) from detok_params_json's output."""
+    d = json.loads(text) if text.strip() else {}
+    return list(d.get("stop", [])), bool(d.get("include_stop_str_in_output", False)), bool(d.get("skip_special_tokens", True))

@@ -1,10 +1,10 @@
 """Engine responses of the `freetoken` model: DetokenizeMsg -> output tensors (numpy).
 
-Besides `next_tokens`, each response carries `context_tokens`: the tokens just before them (the
-tail of prompt + output so far). The detokenizer is stateless, so this window is what lets it
-decode `next_tokens` exactly: a leading space that depends on the previous token, a multi-byte
-character whose bytes started in an earlier response. The window is short and constant-size, so
-responses stay small however long the generation runs.
+Besides `next_tokens`, each response carries `context_tokens`: the output tokens of the request's
+decode window (freetoken_core/tokenizer/detokenize.py: from the L-th last "anchor" token on,
+tracked by a DetokWindow per request, O(1) per token). The detokenizer is stateless, so this window
+is what lets it decode `next_tokens` exactly: no lost leading space, no multi-byte character split
+across responses, stop-string prefixes held back. The window stays short however long the output.
 """
 
 from __future__ import annotations
@@ -12,18 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from freetoken_core.messages import DetokenizeMsg
-
-# Tokens of context: enough for any UTF-8 character split over byte tokens (at most 4 bytes),
-# plus room for tokenizers whose decode of a token depends on its neighbours.
-CONTEXT_WINDOW = 8
-
-
-def detok_context(prompt_ids: list[int], output_ids: list[int], window: int = CONTEXT_WINDOW) -> list[int]:
-    if len(output_ids) >= window:
-        return output_ids[-window:]
-    need = window - len(output_ids)
-    return prompt_ids[-need:] + output_ids
-
 
 def _bytes1(s: str | None) -> np.ndarray:
     return np.array([(s or "").encode("utf-8")], dtype=np.object_)
@@ -34,7 +22,8 @@ def build_outputs(
     next_tokens: list[int],
     logprobs: list[float] | None,
     context_tokens: list[int],
-    echo_prompt: bool,
+    prompt_text: str,
+    detok_params: str,
 ) -> dict[str, np.ndarray]:
     stop = msg.stop_reason
     return {
@@ -46,5 +35,6 @@ def build_outputs(
         "num_input_tokens": np.array([msg.num_prompt_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([msg.num_output_tokens], dtype=np.uint32),
         "logprobs": np.asarray(logprobs or [], dtype=np.float32),
-        "echo_prompt": np.array([echo_prompt], dtype=bool),
+        "prompt_text": _bytes1(prompt_text),
+        "detok_params": _bytes1(detok_params),
     }

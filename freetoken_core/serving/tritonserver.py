@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,9 @@ from freetoken_core.models.gguf import _file_lock, freetoken_home
 class TritonInstall:
     binary: Path  # the tritonserver executable
     backend_dir: Path  # holds python/ with libtriton_python.so and the stub for this Python
+    # Shared libraries the copied stub and backend find through $ORIGIN-relative RPATHs in the wheel
+    # (libcudart & co. in nvidia_pytriton.libs); the copies need them on LD_LIBRARY_PATH instead.
+    lib_dirs: tuple[Path, ...] = ()
 
 
 def _pytriton_root() -> Path:
@@ -44,7 +48,8 @@ def find_tritonserver() -> TritonInstall:
     binary = root / "bin" / "tritonserver"
     if not binary.is_file():
         raise RuntimeError(f"the nvidia-pytriton install has no tritonserver binary at {binary}")
-    return TritonInstall(binary, prepare_backend_dir(root))
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    return TritonInstall(binary, prepare_backend_dir(root), (libs,) if libs.is_dir() else ())
 
 
 def prepare_backend_dir(root: Path, dest: Path | None = None) -> Path:
@@ -70,9 +75,28 @@ def prepare_backend_dir(root: Path, dest: Path | None = None) -> Path:
     return dest
 
 
-def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+def _libpython_dir() -> str | None:
+    """The directory of this interpreter's shared libpython, if it was built with one."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ldlib = sysconfig.get_config_var("LDLIBRARY") or ""
+    if libdir and (ldlib.endswith(".so") or ".so." in ldlib):
+        if any(Path(libdir, n).exists() for n in (ldlib, ldlib + ".1.0", f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0")):
+            return str(libdir)
+    return None
+
+
+def server_env(install: TritonInstall | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for tritonserver: this interpreter's bin first on PATH (the stub's python3)."""
     env = dict(os.environ if base is None else base)
+    # The stub links libpython3.X.so.1.0 dynamically and takes the first one the loader finds (often the
+    # distribution's, e.g. Debian's 3.11.2), while the venv's extension modules were built against this
+    # interpreter's (e.g. pyenv's 3.11.7): `undefined symbol: _PyModule_Add`. Put ours first.
+    extra = [d for d in [_libpython_dir()] if d]
+    if install is not None:
+        # the wheel's libraries carry hashed names (libcudart-09529672.so...): no clash with torch's
+        extra += [str(d) for d in install.lib_dirs]
+    if extra:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(extra + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
     bindir = str(Path(sys.executable).parent)
     parts = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir]
     env["PATH"] = os.pathsep.join([bindir, *parts])
