@@ -93,7 +93,7 @@ class EngineConfig:
     decode_rows_per_req: int = 1  # query rows one request may run per decode step (speculation: k+1)
     cuda_graph: bool = True  # capture decode with CUDA graphs (CUDA only)
     cuda_graph_max_bs: int | None = None
-    overlap_schedule: bool = True  # CUDA only
+    overlap_schedule: bool | None = None  # None: on for CUDA; True forces it (CPU too: tests the logic)
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights from config.json (benchmarks)
 

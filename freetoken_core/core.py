@@ -45,6 +45,7 @@ class Req:
     generator: torch.Generator | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
+    inflight: int = 0  # tokens sampled on the device, not yet committed (overlap scheduling)
     # speculative decoding: provisional rows appended to the sequence for a verify step
     num_pending: int = 0
     spec_accepted: int = 0
@@ -71,6 +72,18 @@ class Req:
     def token_at(self, pos: int) -> int:
         n = len(self.input_ids)
         return self.input_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end); positions past the committed sequence (tokens still
+        being sampled on the device) read as 0 placeholders."""
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            out = self.output_ids[start - n : end - n]
+        else:
+            out = self.input_ids[start:] + self.output_ids[: end - n]
+        return out + [0] * (end - start - len(out))
 
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -13,7 +13,7 @@ from ..core import Batch, Context, Phase, Req, set_context
 from ..kvcache.manager import CacheManager, pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
 from .graph import GraphRunner, default_bs_list
-from .sampler import SampleOutput, Sampler
+from .sampler import DeviceSample, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +103,10 @@ class Engine:
 
     # --- batch construction -----------------------------------------------------------------
     def prepare_batch(self, phase: Phase, reqs: list[Req], extend_lens: list[int], rows_per_req: int = 1) -> Batch:
-        """Build the step's tensors. Each request runs tokens [cached_len, cached_len + extend_len);
-        its pages must already cover them. A request is sampled when the step reaches its seq_len."""
+        """Build the step's tensors. Each request runs positions [cached_len, cached_len + extend_len);
+        its pages must already cover them. A position whose token is still being sampled on the
+        device (overlap scheduling) gets a placeholder id; `launch(..., inflight=...)` fills it in.
+        A request is sampled when the step reaches its (virtual) length."""
         cache = self.cache
         ids: list[int] = []
         pos: list[int] = []
@@ -116,27 +118,27 @@ class Engine:
         for i, (req, n) in enumerate(zip(reqs, extend_lens)):
             start = req.cached_len
             prefix_lens.append(start)
-            all_ids = req.input_ids + req.output_ids
-            ids.extend(all_ids[start : start + n])
+            ids.extend(req.token_slice(start, start + n))
             pos.extend(range(start, start + n))
             loc.extend(cache.slots(req, start, start + n))
             row += n
             if phase == "verify":
                 sample_rows.extend(range(row - n, row))
                 sample_reqs.extend([i] * n)
-            elif start + n >= req.seq_len:
+            elif start + n >= req.seq_len + req.inflight:
                 sample_rows.append(row - 1)
                 sample_reqs.append(i)
-        dev = self.device
+        # one host-to-device copy for the step's index data
+        packed = torch.tensor([ids, pos, loc], dtype=torch.int64).to(self.device, non_blocking=True)
         return Batch(
             phase=phase,
             reqs=reqs,
             extend_lens=list(extend_lens),
             prefix_lens=prefix_lens,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            out_loc=torch.tensor(loc, dtype=torch.int64, device=dev),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            input_ids=packed[0],
+            positions=packed[1],
+            out_loc=packed[2],
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True),
             sample_reqs=sample_reqs,
             rows_per_req=rows_per_req,
         )
@@ -165,18 +167,47 @@ class Engine:
         return self.model.lm_head.logits(rows)
 
     @torch.inference_mode()
-    def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
-        """Forward + sample. `banned` maps a sampled row to token ids it may not produce (min_tokens)."""
+    def launch(
+        self,
+        batch: Batch,
+        banned: dict[int, list[int]] | None = None,
+        inflight: tuple[torch.Tensor, list[int], list[int]] | None = None,
+    ) -> InflightStep:
+        """Queue forward + sampling on the device without waiting for it.
+
+        `banned` maps a sampled row to token ids it may not produce (min_tokens). `inflight` is
+        (previous step's device tokens, their rows, this batch's rows): input ids still being
+        sampled are gathered on the device, so consecutive steps never wait for the host."""
+        if inflight is not None:
+            prev_tokens, src, dst = inflight
+            dev = self.device
+            batch.input_ids[torch.tensor(dst, device=dev)] = prev_tokens[torch.tensor(src, device=dev)]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             self.cache.flush()
             logits = self.graph_runner.replay(batch)
         else:
             hidden = self.forward_batch(batch)
             logits = self.forward_logits(batch, hidden)
+        reqs = [batch.reqs[i] for i in batch.sample_reqs]
         if logits.shape[0] == 0:
-            return SampleOutput(tokens=[])
+            return InflightStep(self.sampler.empty())
         if banned:
             for r, ids in banned.items():
                 logits[r, ids] = float("-inf")
-        reqs = [batch.reqs[i] for i in batch.sample_reqs]
-        return self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        return InflightStep(self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]))
+
+    def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
+        """Forward + sample, waiting for the result."""
+        return self.launch(batch, banned).result()
+
+
+class InflightStep:
+    """A launched step whose sampled tokens are on their way to the host."""
+
+    def __init__(self, sample: DeviceSample) -> None:
+        self.sample = sample
+        self.tokens = sample.tokens  # device tensor: the next step gathers its inputs from it
+        self._host = sample.to_host_async()
+
+    def result(self) -> SampleOutput:
+        return self._host.wait()

@@ -21,13 +21,16 @@ class SampleOutput:
     top_logprobs: list[dict[int, float]] | None = None
 
 
-def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_filters(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    need_sort: bool = True, need_min_p: bool = True,
+) -> torch.Tensor:
     """Mask logits [R, V] (already temperature-scaled) outside top-k / top-p / min-p with -inf.
 
-    top_k <= 0 disables top-k; top_p == 1 disables top-p; min_p == 0 disables min-p.
+    top_k <= 0 disables top-k; top_p == 1 disables top-p; min_p == 0 disables min-p. The flags
+    (known on the host) skip work no row needs without a device sync.
     """
     vocab = logits.shape[-1]
-    need_sort = bool((top_k > 0).any()) or bool((top_p < 1.0).any())
     if need_sort:
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -39,7 +42,7 @@ def apply_filters(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
         remove |= cum_before >= top_p[:, None]
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
-    if bool((min_p > 0).any()):
+    if need_min_p:
         probs = logits.softmax(dim=-1)
         thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < thresh, float("-inf"))
@@ -62,8 +65,8 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-    ) -> SampleOutput:
-        """logits [R, V] float32, one row per sampled request row."""
+    ) -> DeviceSample:
+        """logits [R, V] float32, one row per sampled request row. Nothing here waits for the device."""
         num_rows = logits.shape[0]
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -85,23 +88,70 @@ class Sampler:
                 torch.tensor([p.top_k for p in sub], dtype=torch.int64, device=dev),
                 torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=dev),
                 torch.tensor([p.min_p for p in sub], dtype=torch.float32, device=dev),
+                need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sub),
+                need_min_p=any(p.min_p > 0 for p in sub),
             )
             probs = scaled.softmax(dim=-1)
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=generators[i] or self.generator)
             tokens[idx] = (probs / noise).argmax(dim=-1)
-        out = SampleOutput(tokens=tokens.tolist())
+        out = DeviceSample(tokens=tokens)
         want_lp = [p.logprobs is not None for p in params]
         if any(want_lp):
             logprobs = logits.log_softmax(dim=-1)
-            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-            max_n = max(p.logprobs or 0 for p in params)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            out.top_n = [p.logprobs or 0 for p in params]
+            max_n = max(out.top_n)
             if max_n > 0:
-                top_v, top_i = logprobs.topk(max_n, dim=-1)
-                top_v, top_i = top_v.tolist(), top_i.tolist()
-                out.top_logprobs = [
-                    dict(zip(top_i[r][: params[r].logprobs or 0], top_v[r][: params[r].logprobs or 0]))
-                    for r in range(num_rows)
-                ]
+                out.top_values, out.top_ids = logprobs.topk(max_n, dim=-1)
+        return out
+
+    def empty(self) -> DeviceSample:
+        return DeviceSample(tokens=torch.empty(0, dtype=torch.int64, device=self.device))
+
+
+@dataclass
+class DeviceSample:
+    """Sampling results still on the device."""
+
+    tokens: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor | None = None  # [R]
+    top_values: torch.Tensor | None = None  # [R, n]
+    top_ids: torch.Tensor | None = None
+    top_n: list[int] | None = None  # per row: how many top logprobs it asked for
+
+    def to_host_async(self) -> "HostCopy":
+        return HostCopy(self)
+
+
+class HostCopy:
+    """Non-blocking device-to-host copy of a DeviceSample; `wait()` syncs on its event only."""
+
+    def __init__(self, s: DeviceSample) -> None:
+        self.top_n = s.top_n
+        tensors = [t for t in (s.tokens, s.logprobs, s.top_values, s.top_ids) if t is not None]
+        self.event = None
+        if s.tokens.is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+        self.has_lp = s.logprobs is not None
+        self.has_top = s.top_values is not None
+
+    def wait(self) -> SampleOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        it = iter(self.host)
+        out = SampleOutput(tokens=next(it).tolist())
+        if self.has_lp:
+            out.logprobs = next(it).tolist()
+        if self.has_top:
+            values, ids = next(it).tolist(), next(it).tolist()
+            n = self.top_n or []
+            out.top_logprobs = [dict(zip(ids[r][: n[r]], values[r][: n[r]])) for r in range(len(values))]
         return out

@@ -68,13 +68,27 @@ class RotaryEmbedding(nn.Module):
             inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
         else:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: default, llama3, linear, yarn")
-        # Built on the CPU (bit-identical to transformers' CPU tables), then moved to the default
-        # device: the loader constructs models under `with torch.device(device)`.
-        t = torch.arange(max_positions, dtype=torch.float32, device="cpu")
-        freqs = t[:, None] * inv_freq.float().cpu()[None, :]  # same fp32 product as transformers
-        cos_sin = torch.cat([freqs.cos() * scaling, freqs.sin() * scaling], dim=-1).to(dtype)
-        cos_sin = cos_sin.to(torch.get_default_device())
+        self._inv_freq, self._scaling = inv_freq.float().cpu(), scaling
+        cos_sin = self._table(max_positions, dtype).to(torch.get_default_device())
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_positions, rot_dim]
+
+    def _table(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        # Built on the CPU (bit-identical to transformers' CPU tables), then moved to the model's
+        # device: the loader constructs models under `with torch.device(device)`.
+        t = torch.arange(n, dtype=torch.float32, device="cpu")
+        freqs = t[:, None] * self._inv_freq[None, :]  # same fp32 product as transformers
+        return torch.cat([freqs.cos() * self._scaling, freqs.sin() * self._scaling], dim=-1).to(dtype)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cos_sin_cache.shape[0]
+
+    def ensure_positions(self, n: int) -> None:
+        """Grow the table to cover positions < n. Call before capturing CUDA graphs: a position
+        past the table is an index error (a device assert on CUDA), never a silent wrap."""
+        if n > self.max_positions:
+            c = self.cos_sin_cache
+            self.cos_sin_cache = self._table(n, c.dtype).to(c.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D], positions [T] -> rotated q, k (new tensors)."""

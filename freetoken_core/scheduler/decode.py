@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ..core import Req
 from ..kvcache.manager import CacheManager
 
+LengthFn = Callable[[Req], int]
 
-def plan_decode(decoders: list[Req], running: list[Req], cache: CacheManager) -> tuple[list[Req], list[Req]]:
+
+def _seq_len(r: Req) -> int:
+    return r.seq_len
+
+
+def plan_decode(
+    decoders: list[Req], running: list[Req], cache: CacheManager, length: LengthFn = _seq_len
+) -> tuple[list[Req], list[Req]]:
     """Allocate each decoder's page for the token it writes this step. When the pool cannot cover
     them all, retract the most recently admitted requests (they lose the least work) until it can.
     Returns (requests to decode, requests to retract); the caller frees the retracted ones."""
@@ -15,7 +25,7 @@ def plan_decode(decoders: list[Req], running: list[Req], cache: CacheManager) ->
     candidates = [r for r in reversed(running)]  # newest first
 
     def shortfall() -> int:
-        need = sum(cache.pages_needed(r, r.seq_len) for r in batch)
+        need = sum(cache.pages_needed(r, length(r)) for r in batch)
         freed = sum(len(cache.pages_of(v)) for v in victims)
         return need - (cache.num_free_pages + freed)
 
@@ -27,6 +37,7 @@ def plan_decode(decoders: list[Req], running: list[Req], cache: CacheManager) ->
     return batch, victims
 
 
-def allocate_decode(batch: list[Req], cache: CacheManager) -> None:
+def allocate_decode(batch: list[Req], cache: CacheManager, length: LengthFn = _seq_len) -> None:
+    """Pages for every position the step writes (length(r) tokens: the last is this step's row)."""
     for r in batch:
-        cache.allocate(r, r.seq_len)
+        cache.allocate(r, length(r))

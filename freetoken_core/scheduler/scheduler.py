@@ -11,18 +11,26 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig, SamplingParams
-from ..core import Req
-from ..engine.engine import Engine
+from ..core import Batch, Req
+from ..engine.engine import Engine, InflightStep
 from ..messages import DetokenizeMsg, EngineStats
 from .decode import allocate_decode, plan_decode
 from .prefill import plan_prefill
 from .stops import StopChecker
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    batch: Batch
+    step: InflightStep
+    rows_by_uid: dict[int, int]  # sampled row of each request in this step
 
 
 def has_tokenizer_files(model_path: str) -> bool:
@@ -57,6 +65,11 @@ class Scheduler:
         self._outbox: list[DetokenizeMsg] = []
         self._uids = itertools.count()
         self._last_was_prefill = False
+        self._pending: _Pending | None = None  # the launched step whose tokens are not yet committed
+        # overlap pays off on an asynchronous device; on CPU it only exercises the logic (tests)
+        self.overlap = (
+            self.engine.device.type == "cuda" if config.overlap_schedule is None else config.overlap_schedule
+        )
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
 
@@ -111,7 +124,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._outbox)
+        return bool(self.waiting or self.running or self._outbox or self._pending)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -126,18 +139,33 @@ class Scheduler:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[DetokenizeMsg]:
+        """Run one engine step. With overlap scheduling (CUDA), decode step N+1 is launched before
+        step N's tokens are read back, so host work hides behind the device; prefill planning and
+        retraction wait for the previous step (they need the true lengths)."""
         msgs, self._outbox = self._outbox, []
-        decoders = [r for r in self.running if r.seq_len - r.cached_len == 1]
+        decoders = self._decoders()
         prefill_pending = bool(self.waiting) or len(decoders) < len(self.running)
         if prefill_pending and not (decoders and self._last_was_prefill):
+            self._drain(msgs)
             ran = self._run_prefill(msgs)
             self._last_was_prefill = ran
             if ran:
                 return msgs
+            decoders = self._decoders()
+        self._last_was_prefill = False
         if decoders:
             self._run_decode(decoders, msgs)
-        self._last_was_prefill = False
+        else:
+            self._drain(msgs)
         return msgs
+
+    def _decoders(self) -> list[Req]:
+        return [r for r in self.running if r.seq_len + r.inflight - r.cached_len == 1 and self._wants_more(r)]
+
+    @staticmethod
+    def _wants_more(req: Req) -> bool:
+        # a request whose in-flight token is its last by length needs no further step
+        return req.num_output + req.inflight < req.sampling.max_tokens
 
     def _run_prefill(self, msgs: list[DetokenizeMsg]) -> bool:
         prefilling = [r for r in self.running if r.seq_len - r.cached_len > 1]
@@ -148,30 +176,70 @@ class Scheduler:
         self.running.extend(admitted)
         if not plan.reqs:
             return False
-        self._run(self.engine.prepare_batch("prefill", plan.reqs, plan.extend_lens), msgs)
+        self._launch(self.engine.prepare_batch("prefill", plan.reqs, plan.extend_lens), msgs)
         return True
 
     def _run_decode(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> None:
-        batch_reqs, retracted = plan_decode(decoders, self.running, self.cache)
+        batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
+        if retracted and self._pending is not None:
+            self._drain(msgs)  # retraction needs settled lengths: plan again
+            decoders = self._decoders()
+            batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
         for req in retracted:
             self._retract(req)
-        allocate_decode(batch_reqs, self.cache)
+        allocate_decode(batch_reqs, self.cache, self._virtual_len)
         if batch_reqs:
-            self._run(self.engine.prepare_batch("decode", batch_reqs, [1] * len(batch_reqs)), msgs)
+            self._launch(self.engine.prepare_batch("decode", batch_reqs, [1] * len(batch_reqs)), msgs)
+        else:
+            self._drain(msgs)
 
-    def _run(self, batch, msgs: list[DetokenizeMsg]) -> None:
+    @staticmethod
+    def _virtual_len(req: Req) -> int:
+        return req.seq_len + req.inflight
+
+    def _launch(self, batch: Batch, msgs: list[DetokenizeMsg]) -> None:
         banned = {}
         for row, i in enumerate(batch.sample_reqs):
             req = batch.reqs[i]
-            if req.num_output < req.sampling.min_tokens:
+            if req.num_output + req.inflight < req.sampling.min_tokens:
                 banned[row] = sorted(self.eos_token_ids | set(req.sampling.stop_token_ids))
-        out = self.engine.step(batch, banned)
+        gather = None
+        prev = self._pending
+        if prev is not None:
+            prev_rows = prev.rows_by_uid
+            src, dst = [], []
+            row = 0
+            for req, n in zip(batch.reqs, batch.extend_lens):
+                if req.inflight and req.uid in prev_rows:
+                    src.append(prev_rows[req.uid])
+                    dst.append(row + n - 1)  # a decode row's input is the token still in flight
+                row += n
+            if src:
+                gather = (prev.step.tokens, src, dst)
+        step = self.engine.launch(batch, banned, gather)
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.cached_len += n
+        for i in batch.sample_reqs:
+            batch.reqs[i].inflight += 1
+        self._pending = _Pending(batch, step, {batch.reqs[i].uid: row for row, i in enumerate(batch.sample_reqs)})
+        if prev is not None:
+            self._resolve(prev, msgs)
+        if not self.overlap:
+            self._drain(msgs)
+
+    def _drain(self, msgs: list[DetokenizeMsg]) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._resolve(pending, msgs)
+
+    def _resolve(self, pending: "_Pending", msgs: list[DetokenizeMsg]) -> None:
+        out = pending.step.result()
+        batch = pending.batch
         now = time.perf_counter()
         for row, i in enumerate(batch.sample_reqs):
             req = batch.reqs[i]
-            if req.finished:  # aborted while the step ran
+            req.inflight -= 1
+            if req.finished:  # finished or aborted while the step ran: its token is discarded
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now

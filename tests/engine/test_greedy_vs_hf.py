@@ -46,8 +46,9 @@ def test_greedy_matches_transformers(tiny_model_factory, case):
     alone = [llm.generate([p], params)[0].token_ids for p in PROMPTS]
     assert alone == expected
     # all together: chunked prefill with a tiny budget, page size 1 and 4, fewer rows than prompts
-    for page_size in (1, 4):
-        llm = LLM(path, dtype="float32", page_size=page_size, max_running_req=3, max_extend_tokens=7, num_pages=256)
+    for page_size, overlap in ((1, False), (4, True)):
+        llm = LLM(path, dtype="float32", page_size=page_size, max_running_req=3, max_extend_tokens=7, num_pages=256,
+                  overlap_schedule=overlap)
         outs = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == expected
         assert all(o.finish_reason == "length" for o in outs)

@@ -187,3 +187,22 @@ def test_stream_yields_next_tokens(model_path):
     next(it)
     it.close()
     assert llm.scheduler.cache.num_free_pages == llm.scheduler.cache.num_total_pages
+
+
+def test_overlap_schedule_same_tokens_and_accounting(model_path):
+    """Overlap scheduling (step N+1 launched before N's tokens are committed) runs on CPU too:
+    outputs, finish reasons, stop tokens, retraction and page accounting must not change."""
+    params = [SamplingParams(max_tokens=9 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(max_tokens=20, min_tokens=2)
+    base = LLM(model_path, dtype="float32", page_size=1, num_pages=1000, overlap_schedule=False)
+    expected = base.generate(PROMPTS, params)
+    stop_tok = expected[2].token_ids[4]
+    params[2] = SamplingParams(max_tokens=15, stop_token_ids=[stop_tok], ignore_eos=True)
+    expected = base.generate(PROMPTS, params)
+    for num_pages in (1000, 71):  # 71: tight enough to retract
+        llm = LLM(model_path, dtype="float32", page_size=1, num_pages=num_pages, max_running_req=5, overlap_schedule=True)
+        got = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+        assert llm.scheduler.cache.num_free_pages == llm.scheduler.cache.num_total_pages
+        llm.scheduler.cache.check()

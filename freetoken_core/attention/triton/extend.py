@@ -5,7 +5,8 @@ prefix_lens[b] + i; row i attends causally to keys [0, prefix_lens[b] + i]: the 
 the new tokens, all read through the page table (store_kv has written the new K/V first).
 
 One program per (request, query head, block of BLOCK_M rows); blocks past a request's length
-exit at once. A block only walks keys up to its own last row (causal).
+exit at once. A block only walks keys up to its own last row (causal), and only
+the blocks of keys that overlap its own rows pay for the causal mask.
 
 Reference: `reference.paged_attention_reference`.
 """
@@ -17,6 +18,34 @@ import triton
 import triton.language as tl
 
 from .decode import LOG2E
+
+
+@triton.jit
+def _attend_keys(
+    q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
+    stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, lo, hi, kv_end, d, d_valid,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Online-softmax update over keys [lo, hi) of one request, read through its page-table row."""
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_valid = pos < kv_end
+        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_mask = p_valid[:, None] & d_valid[None, :]
+        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if CAUSAL:
+            allowed = (pos[None, :] <= q_pos[:, None]) & p_valid[None, :]
+            qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -33,7 +62,7 @@ def _extend_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
+    mb = tl.num_programs(2) - 1 - tl.program_id(2)  # longest (last) blocks start first: shorter tail
     ext = tl.load(ExtendLens + b)
     if mb * BLOCK_M >= ext:
         return
@@ -55,23 +84,18 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, kv_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        p_valid = pos < kv_end
-        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_mask = p_valid[:, None] & d_valid[None, :]
-        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        allowed = (pos[None, :] <= q_pos[:, None]) & p_valid[None, :]
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys before the block's first row are visible to every row: no causal mask there.
+    full_end = (prefix + mb * BLOCK_M) // BLOCK_N * BLOCK_N
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
+        stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, 0, full_end, kv_end, d, d_valid,
+        BLOCK_N, PAGE_SIZE, DOT_PRECISION, False,
+    )
+    m_i, l_i, acc = _attend_keys(
+        q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
+        stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, full_end, kv_end, kv_end, d, d_valid,
+        BLOCK_N, PAGE_SIZE, DOT_PRECISION, True,
+    )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -93,6 +117,8 @@ def extend_attention(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """q [T, H, D]; caches [pages, page_size, Hkv, D] (contiguous); table_rows, prefix_lens,
     extend_lens, q_starts [B] int32; max_extend = max(extend_lens) (sizes the grid).
@@ -124,6 +150,6 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        num_warps=num_warps or (4 if block_d <= 64 else 8), num_stages=num_stages or 2,
     )
     return out

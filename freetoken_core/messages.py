@@ -1,0 +1,39 @@
+"""Messages that leave the scheduler (one per request per step that committed tokens or finished)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DetokenizeMsg:
+    uid: int
+    next_tokens: list[int]  # every token committed for this request in this step (may be several)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[float] | None = None  # one per next_token, when requested
+    top_logprobs: list[dict[int, float]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including next_tokens
+    error: str | None = None  # set with finish_reason "error"
+    spec_accepted: int = 0  # speculative decoding: draft tokens accepted so far
+    spec_proposed: int = 0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics and tests (free pages must return to total after traffic)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    page_size: int
+    prompt_tokens_total: int = 0
+    generated_tokens_total: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_pages / max(self.num_total_pages, 1)
