@@ -142,15 +142,40 @@ def time_decode(batch_size=64, ctx=1024, page_size=16, dtype=torch.bfloat16) -> 
             "GB/s": round(kv_bytes / ms / 1e6, 1), "kv_MB": round(kv_bytes / 1e6, 1)}
 
 
-def time_extend(seq=8192, page_size=16, dtype=torch.bfloat16) -> dict:
+def time_decode_graph(batch_size=1, ctx=1024, page_size=16, dtype=torch.bfloat16) -> dict:
+    """Decode timed through a CUDA graph replay: the GPU time without Python launch overhead."""
+    import triton.testing
+
+    from freetoken_core.attention.triton.decode import alloc_partials
+
+    c = make_case([ctx - 1] * batch_size, [1] * batch_size, H, HKV, D, page_size, dtype, "cuda", seed=3)
+    seq, rows = c.ints(c.seq_lens), c.ints(c.table_rows)
+    splits = num_kv_splits(batch_size, HKV, ctx, _sms())
+    po, pl = alloc_partials(batch_size, H, splits, D, torch.device("cuda"))
+    out = torch.empty_like(c.q)
+    fn = lambda: decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seq, D**-0.5,  # noqa: E731
+                                  num_splits=splits, part_out=po, part_lse=pl, out=out)
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=10, rep=100) / 10
+    kv_bytes = 2 * batch_size * ctx * HKV * D * c.k_cache.element_size()
+    return {"bs": batch_size, "ctx": ctx, "splits": splits, "graph_ms": round(ms, 4),
+            "GB/s": round(kv_bytes / ms / 1e6, 1)}
+
+
+def time_extend(seq=8192, page_size=16, dtype=torch.bfloat16, **cfg) -> dict:
     import triton.testing
 
     c = make_case([0], [seq], H, HKV, D, page_size, dtype, "cuda", seed=4)
     args = (c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.prefix_lens),
             c.ints(c.extend_lens), c.ints(c.q_starts), seq, D**-0.5)
-    ms = triton.testing.do_bench(lambda: extend_attention(*args), warmup=10, rep=100)
+    ms = triton.testing.do_bench(lambda: extend_attention(*args, **cfg), warmup=10, rep=100)
     flops = 4 * H * D * seq * seq / 2  # causal: half of QK^T and PV
-    return {"seq": seq, "ms": round(ms, 3), "TFLOP/s": round(flops / ms / 1e9, 1)}
+    return {"seq": seq, **cfg, "ms": round(ms, 3), "TFLOP/s": round(flops / ms / 1e9, 1)}
 
 
 def main() -> None:
@@ -166,7 +191,16 @@ def main() -> None:
     print("graph replay vs eager max diff", check_graph_replay())
     for bs, ctx, ps in [(64, 1024, 16), (64, 1024, 1), (1, 1024, 16), (1, 8192, 16), (128, 1024, 16)]:
         print("decode timing", time_decode(bs, ctx, ps))
+    for bs, ctx in [(1, 1024), (1, 8192), (8, 1024), (64, 1024)]:
+        print("decode timing (graph)", time_decode_graph(bs, ctx))
     print("extend timing", time_extend())
+    if "--sweep" in sys.argv:
+        for bm, bn, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+                              (128, 32, 4, 2), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 3)]:
+            try:
+                print("extend sweep", time_extend(block_m=bm, block_n=bn, num_warps=w, num_stages=st))
+            except Exception as e:  # out of shared memory etc.
+                print("extend sweep", bm, bn, w, st, "failed:", type(e).__name__, str(e)[:100])
 
 
 if __name__ == "__main__":
