@@ -8,7 +8,6 @@ from typing import Any
 
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("freetoken_core.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("freetoken_core.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("freetoken_core.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("freetoken_core.models.llama", "Qwen3ForCausalLM"),
 }

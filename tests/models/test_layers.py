@@ -69,3 +69,12 @@ def test_fused_linears_load_shards_in_place():
 def test_silu_and_mul():
     x = torch.randn(3, 10)
     torch.testing.assert_close(silu_and_mul(x), torch.nn.functional.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_rotary_table_grows_on_request():
+    params = {"rope_type": "default", "rope_theta": 1e4}
+    short = RotaryEmbedding(16, 8, params, torch.float32)
+    long = RotaryEmbedding(16, 64, params, torch.float32)
+    short.ensure_positions(64)
+    assert short.max_positions == 64
+    torch.testing.assert_close(short.cos_sin_cache, long.cos_sin_cache, atol=0, rtol=0)
