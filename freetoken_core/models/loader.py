@@ -15,7 +15,6 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
-from transformers import AutoConfig
 
 from .registry import get_model_class
 
@@ -50,6 +49,8 @@ def check_model_path(model_path: str | Path) -> Path:
 
 def load_config(model_path: str | Path):
     """The HF config object, read from the local directory only (never the hub)."""
+    from transformers import AutoConfig  # late: `import freetoken_core.models` stays cheap
+
     return AutoConfig.from_pretrained(str(check_model_path(model_path)), local_files_only=True)
 
 
