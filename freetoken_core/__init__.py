@@ -1,6 +1,13 @@
 """freetoken_core: an LLM inference engine (paged KV cache, continuous batching) for Triton Inference Server."""
 
-from .config import EngineConfig, SamplingParams
+import os as _os
+
+# Triton decides interpreted vs compiled when `triton` is first imported; without a GPU its kernels
+# run only under the interpreter. Set it before anything imports triton (users may override).
+if not _os.path.exists("/dev/nvidia0"):
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .config import EngineConfig, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams"]
 __version__ = "0.1.0"

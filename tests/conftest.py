@@ -8,6 +8,10 @@ import os
 # No model hub, ever: everything a test loads is local.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Triton picks interpreted or compiled mode when `triton` is first imported (transformers imports
+# it early): without a GPU, the Triton-language kernels run only under the interpreter.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 from typing import Any, Callable  # noqa: E402
