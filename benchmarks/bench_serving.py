@@ -1,0 +1,156 @@
+"""Serving overhead: the same workload in-process (LLM) and through tritonserver's ensemble (gRPC streaming).
+
+    python benchmarks/bench_serving.py                       # 64 requests, ~128 prompt / 128 output tokens, concurrency 16
+    python benchmarks/bench_serving.py --requests 16 --output-tokens 32
+
+Both paths use the same engine settings (max_running_req = concurrency) and ignore_eos, so both
+generate exactly requests x output_tokens tokens. Prints output tok/s for each and the ratio
+(target: Triton >= 90% of in-process). Record results in benchmarks/RESULTS.md with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import sys
+import time
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TEXT = (
+    "The history of the lighthouse begins with fires on hilltops, kept burning by watchmen who knew every rock "
+    "of the coast. Later came towers of stone with lanterns of oil, then lenses that gathered the light into a "
+    "beam visible for miles. Keepers lived in small houses at the foot of the towers, trimming wicks, cleaning "
+    "glass, and writing the weather into logbooks that sailors never read. Storms broke windows; supply boats "
+    "failed to come; children grew up knowing the tides better than the alphabet. "
+) * 8
+
+
+def make_prompts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompts = []
+    for i in range(n):
+        start = (i * 7) % max(1, len(ids) - prompt_tokens)
+        prompts.append(tokenizer.decode(ids[start:start + prompt_tokens]))
+    return prompts
+
+
+def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict) -> float:
+    from freetoken_core.config import SamplingParams
+    from freetoken_core.llm import LLM
+
+    llm = LLM(model_path, max_running_req=concurrency, **engine_kw)
+    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4))  # warm up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    del llm
+    return n / dt
+
+
+def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict) -> float:
+    import tritonclient.grpc as grpcclient
+
+    from freetoken_core.serving.launcher import start_server
+
+    overrides = {"model_path": model_path, "max_running_req": str(concurrency),
+                 **{k: str(v) for k, v in engine_kw.items()}}
+    import tempfile
+    from pathlib import Path
+
+    log_path = Path(tempfile.gettempdir()) / "freetoken-bench-tritonserver.log"
+    handle = start_server(overrides, ready_timeout=600, log_path=log_path)
+    try:
+        client = grpcclient.InferenceServerClient(handle.grpc_url)
+        done: queue.Queue = queue.Queue()
+        counts: dict[str, int] = {}
+
+        def on_response(result, error):
+            if error is not None:
+                done.put(("error", str(error)))
+                return
+            resp = result.get_response()
+            if resp.outputs:
+                counts[resp.id] = counts.get(resp.id, 0) + result.as_numpy("next_tokens").size
+            if resp.parameters["triton_final_response"].bool_param:
+                done.put(("done", resp.id))
+
+        def inputs(text: str):
+            ins = []
+            for name, arr, dt in [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
+                                  ("max_tokens", np.array([out_tokens], np.int32), "INT32"),
+                                  ("ignore_eos", np.array([True]), "BOOL"),
+                                  ("stream", np.array([True]), "BOOL")]:
+                t = grpcclient.InferInput(name, list(arr.shape), dt)
+                t.set_data_from_numpy(arr)
+                ins.append(t)
+            return ins
+
+        client.start_stream(callback=on_response)
+
+        def run(batch: list[str]) -> float:
+            counts.clear()
+            sent = 0
+            t0 = time.perf_counter()
+            while sent < min(concurrency, len(batch)):
+                client.async_stream_infer("ensemble", inputs(batch[sent]), request_id=str(sent),
+                                          enable_empty_final_response=True)
+                sent += 1
+            finished = 0
+            while finished < len(batch):
+                kind, info = done.get(timeout=600)
+                if kind == "error":
+                    raise RuntimeError(info)
+                finished += 1
+                if sent < len(batch):
+                    client.async_stream_infer("ensemble", inputs(batch[sent]), request_id=str(sent),
+                                              enable_empty_final_response=True)
+                    sent += 1
+            return time.perf_counter() - t0
+
+        run(prompts[:2])  # warm up
+        dt = run(prompts)
+        n = sum(counts.values())
+        client.stop_stream()
+        return n / dt
+    finally:
+        handle.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-pages", type=int, default=None)
+    args = p.parse_args()
+
+    from freetoken_core.models.gguf import default_model_path
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+
+    model_path = args.model_path or default_model_path()
+    prompts = make_prompts(load_tokenizer(model_path), args.requests, args.prompt_tokens)
+    engine_kw = {"dtype": args.dtype, "device": args.device}
+    if args.num_pages:
+        engine_kw["num_pages"] = args.num_pages
+    offline = bench_offline(model_path, prompts, args.output_tokens, args.concurrency, engine_kw)
+    print(f"in-process LLM:      {offline:8.1f} output tok/s", flush=True)
+    served = bench_triton(model_path, prompts, args.output_tokens, args.concurrency, engine_kw)
+    print(f"tritonserver stream: {served:8.1f} output tok/s", flush=True)
+    print(f"ratio triton/in-process: {served / offline:.3f}  "
+          f"({args.requests} requests, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
+          f"concurrency {args.concurrency})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Triton's HTTP generate_stream endpoint (server-sent events), one JSON event per engine step.
+#   client_examples/http_generate_stream.sh [HOST:HTTP_PORT]
+URL=${1:-localhost:8000}
+curl -sN -X POST "http://$URL/v2/models/ensemble/generate_stream" \
+  -H 'Content-Type: application/json' \
+  -d '{"text_input": "Write a haiku about the sea.", "apply_chat_template": true, "max_tokens": 64, "stream": true}'
+echo
