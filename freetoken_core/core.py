@@ -167,6 +167,22 @@ class Context:
                 setattr(self, k, v)
 
 
+def to_device(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host data -> device tensor without waiting for the device. A host-to-device copy from pageable
+    memory synchronizes the stream (so step N+1's inputs would wait for step N to finish); from
+    page-locked memory (PyTorch's caching host allocator) it is queued like a kernel."""
+    t = torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def pinned(data: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor (plain on machines without CUDA) to copy_ into device buffers."""
+    t = torch.tensor(data, dtype=dtype)
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
 _CTX: Context | None = None
 
 

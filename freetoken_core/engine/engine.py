@@ -9,11 +9,11 @@ import torch
 
 from ..attention import AttnBackend, create_backend
 from ..config import EngineConfig
-from ..core import Batch, Context, Phase, Req, set_context
+from ..core import Batch, Context, Phase, Req, set_context, to_device
 from ..kvcache.manager import CacheManager, pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
 from .graph import GraphRunner, default_bs_list
-from .sampler import DeviceSample, SampleOutput, Sampler
+from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class Engine:
                 sample_rows.append(row - 1)
                 sample_reqs.append(i)
         # one host-to-device copy for the step's index data
-        packed = torch.tensor([ids, pos, loc], dtype=torch.int64).to(self.device, non_blocking=True)
+        packed = to_device([ids, pos, loc], torch.int64, self.device)
         return Batch(
             phase=phase,
             reqs=reqs,
@@ -138,7 +138,7 @@ class Engine:
             input_ids=packed[0],
             positions=packed[1],
             out_loc=packed[2],
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True),
+            sample_rows=to_device(sample_rows, torch.int64, self.device),
             sample_reqs=sample_reqs,
             rows_per_req=rows_per_req,
         )
@@ -180,8 +180,8 @@ class Engine:
         sampled are gathered on the device, so consecutive steps never wait for the host."""
         if inflight is not None:
             prev_tokens, src, dst = inflight
-            dev = self.device
-            batch.input_ids[torch.tensor(dst, device=dev)] = prev_tokens[torch.tensor(src, device=dev)]
+            idx = to_device([dst, src], torch.int64, self.device)
+            batch.input_ids[idx[0]] = prev_tokens[idx[1]]
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             self.cache.flush()
             logits = self.graph_runner.replay(batch)
@@ -190,11 +190,14 @@ class Engine:
             logits = self.forward_logits(batch, hidden)
         reqs = [batch.reqs[i] for i in batch.sample_reqs]
         if logits.shape[0] == 0:
-            return InflightStep(self.sampler.empty())
+            return InflightStep(self.sampler.empty(), self.sampler.pinned)
         if banned:
-            for r, ids in banned.items():
-                logits[r, ids] = float("-inf")
-        return InflightStep(self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs]))
+            cols = [t for ids in banned.values() for t in ids if t < logits.shape[1]]
+            rows = [r for r, ids in banned.items() for t in ids if t < logits.shape[1]]
+            idx = to_device([rows, cols], torch.int64, self.device)
+            logits[idx[0], idx[1]] = float("-inf")
+        sample = self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        return InflightStep(sample, self.sampler.pinned)
 
     def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
         """Forward + sample, waiting for the result."""
@@ -204,10 +207,10 @@ class Engine:
 class InflightStep:
     """A launched step whose sampled tokens are on their way to the host."""
 
-    def __init__(self, sample: DeviceSample) -> None:
+    def __init__(self, sample: DeviceSample, pinned: PinnedPool | None = None) -> None:
         self.sample = sample
         self.tokens = sample.tokens  # device tensor: the next step gathers its inputs from it
-        self._host = sample.to_host_async()
+        self._host = sample.to_host_async(pinned)
 
     def result(self) -> SampleOutput:
         return self._host.wait()

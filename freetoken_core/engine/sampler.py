@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
+from ..core import to_device
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.pinned = PinnedPool() if device.type == "cuda" else None
 
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -75,19 +77,19 @@ class Sampler:
             if len(greedy_rows) == num_rows:
                 tokens = logits.argmax(dim=-1)
             else:
-                idx = torch.tensor(greedy_rows, device=logits.device)
+                idx = to_device(greedy_rows, torch.int64, logits.device)
                 tokens[idx] = logits[idx].argmax(dim=-1)
         if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
+            idx = to_device(random_rows, torch.int64, logits.device)
             sub = [params[i] for i in random_rows]
             dev = logits.device
-            temp = torch.tensor([p.temperature for p in sub], dtype=torch.float32, device=dev)
+            temp = to_device([p.temperature for p in sub], torch.float32, dev)
             scaled = logits[idx] / temp[:, None]
             scaled = apply_filters(
                 scaled,
-                torch.tensor([p.top_k for p in sub], dtype=torch.int64, device=dev),
-                torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=dev),
-                torch.tensor([p.min_p for p in sub], dtype=torch.float32, device=dev),
+                to_device([p.top_k for p in sub], torch.int64, dev),
+                to_device([p.top_p for p in sub], torch.float32, dev),
+                to_device([p.min_p for p in sub], torch.float32, dev),
                 need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sub),
                 need_min_p=any(p.min_p > 0 for p in sub),
             )
@@ -121,19 +123,37 @@ class DeviceSample:
     top_ids: torch.Tensor | None = None
     top_n: list[int] | None = None  # per row: how many top logprobs it asked for
 
-    def to_host_async(self) -> "HostCopy":
-        return HostCopy(self)
+    def to_host_async(self, pinned: "PinnedPool | None" = None) -> "HostCopy":
+        return HostCopy(self, pinned)
+
+
+class PinnedPool:
+    """Reused page-locked host buffers: allocating pinned memory costs far more than a decode step.
+    A ring of `depth` buffers per shape is enough for the steps that can be in flight at once."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self.depth = depth
+        self._rings: dict[tuple, tuple[list[torch.Tensor], list[int]]] = {}
+
+    def get(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        if key not in self._rings:
+            self._rings[key] = ([torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(self.depth)], [0])
+        bufs, pos = self._rings[key]
+        pos[0] = (pos[0] + 1) % self.depth
+        return bufs[pos[0]]
 
 
 class HostCopy:
     """Non-blocking device-to-host copy of a DeviceSample; `wait()` syncs on its event only."""
 
-    def __init__(self, s: DeviceSample) -> None:
+    def __init__(self, s: DeviceSample, pinned: PinnedPool | None = None) -> None:
         self.top_n = s.top_n
         tensors = [t for t in (s.tokens, s.logprobs, s.top_values, s.top_ids) if t is not None]
         self.event = None
         if s.tokens.is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            pool = pinned or PinnedPool(1)
+            self.host = [pool.get(t.shape, t.dtype) for t in tensors]
             for h, t in zip(self.host, tensors):
                 h.copy_(t, non_blocking=True)
             self.event = torch.cuda.Event()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core import Req
+from ..core import Req, to_device
 from .pool import DUMMY_PAGE, PagePool
 
 
@@ -119,9 +119,8 @@ class CacheManager:
         rows, cols, vals = zip(*self._dirty)
         self._dirty.clear()
         dev = self.page_table.device
-        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-            vals, dtype=torch.int32, device=dev
-        )
+        idx = to_device([rows, cols], torch.int64, dev)
+        self.page_table[idx[0], idx[1]] = to_device(vals, torch.int32, dev)
 
     def check(self) -> None:
         """Every allocated page belongs to exactly one request row; the CPU mirror matches."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core import Batch
+from ...core import Batch, pinned, to_device
 from ...kvcache.pool import KVCache
 from ..base import AttnBackend, AttnLayout, BackendInfo
 from . import interpreter_on
@@ -87,7 +87,7 @@ class TritonBackend(AttnBackend):
     # --- metadata ---------------------------------------------------------------------------
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
         """One host-to-device copy for all of a step's integer vectors."""
-        return torch.tensor(rows, dtype=torch.int32).to(self.device, non_blocking=True)
+        return to_device(rows, torch.int32, self.device)
 
     @staticmethod
     def _rows_per_req(batch: Batch) -> int:
@@ -174,7 +174,7 @@ class TritonBackend(AttnBackend):
         n = batch.size
         seq = batch.seq_lens + [rows] * (bs - n)
         table_rows = [r.table_row for r in batch.reqs] + [self.dummy_row] * (bs - n)
-        gb.ints[:, :bs].copy_(torch.tensor([seq, table_rows], dtype=torch.int32), non_blocking=True)
+        gb.ints[:, :bs].copy_(pinned([seq, table_rows], torch.int32), non_blocking=True)
 
     def prepare_for_capture(self, batch: Batch) -> None:
         gb, rows, bs = self._graph_state(batch)
