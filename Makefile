@@ -1,0 +1,36 @@
+# Everything the project needs, installed by its own files.
+#   make test     create .venv, install the package with test + serve extras, fetch the default model, run the tests
+#   make serve    create .venv, install, fetch SmolLM2, start tritonserver on the model repository
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# A CPU build of torch from local disk on these machines; a bare `torch` pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv install test serve model bench-cpu clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -U pip
+	$(PIP) install -q "$(TORCH_SPEC)" "numpy<2"
+	$(PIP) install -q -e ".[test,serve]"
+	touch $@
+
+install: $(VENV)/.installed
+
+model: install
+	$(VENV)/bin/freetoken-core fetch-model
+
+test: install
+	$(VENV)/bin/freetoken-core fetch-model
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+serve: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/freetoken-core serve $(SERVE_ARGS)
+
+bench-cpu: install
+	$(PY) benchmarks/bench_cpu.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
