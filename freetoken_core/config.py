@@ -96,8 +96,21 @@ class EngineConfig:
     overlap_schedule: bool | None = None  # None: on for CUDA; True forces it (CPU too: tests the logic)
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights from config.json (benchmarks)
+    speculative: str | None = None  # None | "ngram" (prompt-lookup drafter, verified by the target)
+    num_speculative_tokens: int = 4  # k: draft tokens per verify step (k + 1 rows per request)
+    ngram_max: int = 3
+    ngram_min: int = 1
 
     def validate(self) -> None:
+        if self.speculative not in (None, "ngram"):
+            raise ValueError(f"unknown speculative method {self.speculative!r}; known: ngram")
+        if self.speculative is not None:
+            if not 1 <= self.num_speculative_tokens <= 16:
+                raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+            if not 1 <= self.ngram_min <= self.ngram_max:
+                raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+            # a verify step runs k + 1 rows per request: every per-request allowance follows
+            self.decode_rows_per_req = max(self.decode_rows_per_req, self.num_speculative_tokens + 1)
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
         if self.page_size < 1:

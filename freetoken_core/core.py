@@ -48,6 +48,7 @@ class Req:
     inflight: int = 0  # tokens sampled on the device, not yet committed (overlap scheduling)
     # speculative decoding: provisional rows appended to the sequence for a verify step
     num_pending: int = 0
+    pending_ids: list[int] = field(default_factory=list)  # the draft tokens of those rows
     spec_accepted: int = 0
     spec_proposed: int = 0
 
@@ -74,8 +75,9 @@ class Req:
         return self.input_ids[pos] if pos < n else self.output_ids[pos - n]
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """Token ids of positions [start, end); positions past the committed sequence (tokens still
-        being sampled on the device) read as 0 placeholders."""
+        """Token ids of positions [start, end). Past the committed sequence come the pending draft
+        tokens (speculative verify), then 0 placeholders for tokens still being sampled on the device
+        (overlap scheduling)."""
         n = len(self.input_ids)
         if end <= n:
             return self.input_ids[start:end]
@@ -83,20 +85,40 @@ class Req:
             out = self.output_ids[start - n : end - n]
         else:
             out = self.input_ids[start:] + self.output_ids[: end - n]
+        missing = end - start - len(out)
+        if missing and self.num_pending:
+            first = max(start, self.seq_len) - self.seq_len
+            out = out + self.pending_ids[first : first + missing]
         return out + [0] * (end - start - len(out))
 
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
-    def widen_pending(self, k: int) -> None:
-        """Mark k provisional rows (draft tokens) beyond the committed sequence for a verify step."""
-        assert k >= 0
+    def widen_pending(self, k: int, tokens: list[int] | None = None) -> None:
+        """Widen the request by k provisional rows (draft tokens after the committed sequence) for a
+        verify step: it then runs k + 1 rows, the last committed token and the k drafts."""
+        assert k >= 0 and (tokens is None or len(tokens) == k)
         self.num_pending = k
+        self.pending_ids = list(tokens) if tokens is not None else [0] * k
 
     def commit_pending(self, n: int) -> None:
-        """Keep n of the verify step's rows in the cache (committed tokens); forget the rest."""
-        assert 0 <= n <= self.num_pending + 1
+        """After a verify step that committed n tokens (accepted drafts + one target token): the
+        cache holds valid K/V for the rows of the last committed token and the n - 1 accepted drafts,
+        i.e. every position before the new last token. The caller rolls the pages back to match."""
+        assert 1 <= n <= self.num_pending + 1, f"commit of {n} tokens after {self.num_pending} pending rows"
+        self.cached_len = self.seq_len - 1
         self.num_pending = 0
+        self.pending_ids = []
+
+
+class FeatureSink:
+    """Collects the LM head's input rows of a step (hidden states) for a drafter that wants them."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+
+    def add(self, hidden_rows: torch.Tensor) -> None:
+        self.rows.append(hidden_rows)
 
 
 @dataclass
@@ -119,7 +141,7 @@ class Batch:
     sample_reqs: list[int]  # index into reqs for each sampled row
     rows_per_req: int = 1
     attn_metadata: Any = None  # set by the attention backend's prepare_metadata
-    features: Any = None  # a FeatureSink when a drafter asks for the LM head's input rows
+    features: FeatureSink | None = None  # set when a drafter asks for the LM head's input rows
     padded_size: int | None = None  # CUDA graph: number of request rows after padding
 
     def __post_init__(self) -> None:

@@ -63,6 +63,7 @@ class Engine:
         self.sampler = Sampler(self.device, config.seed)
         self.vocab_size = int(self.model.config.vocab_size)
         self.graph_runner: GraphRunner | None = None
+        self.verify_graph_runner: GraphRunner | None = None
         if self.device.type == "cuda" and config.cuda_graph:
             if self.attn_backend.info.supports_cuda_graph:
                 self._capture_graphs()
@@ -97,6 +98,17 @@ class Engine:
             self.max_seq_len, self.device, rows_per_req=1,
         )
         self.graph_runner.capture()
+        rows = self.config.decode_rows_per_req
+        if rows > 1:
+            if not self.attn_backend.info.uniform_extend_graph:
+                log.warning("backend %s cannot capture %d-row verify graphs; verifying eagerly", self.attn_backend.info.name, rows)
+                return
+            # verify steps (speculative decoding): k + 1 rows per request, same graph memory pool
+            self.verify_graph_runner = GraphRunner(
+                self.ctx, self._logits_of_all_rows, default_bs_list(max_bs), self.cache.dummy_row,
+                self.max_seq_len, self.device, rows_per_req=rows, pool=self.graph_runner.pool,
+            )
+            self.verify_graph_runner.capture()
 
     def _logits_of_all_rows(self, batch: Batch) -> torch.Tensor:
         return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions))
@@ -164,6 +176,8 @@ class Engine:
         if batch.sample_rows.numel() == 0:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         rows = hidden if batch.sample_rows.numel() == hidden.shape[0] else hidden[batch.sample_rows]
+        if batch.features is not None:
+            batch.features.add(rows)
         return self.model.lm_head.logits(rows)
 
     @torch.inference_mode()
@@ -198,6 +212,15 @@ class Engine:
             logits[idx[0], idx[1]] = float("-inf")
         sample = self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
         return InflightStep(sample, self.sampler.pinned)
+
+    @torch.inference_mode()
+    def forward_verify(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits of every row of a verify batch [size * rows_per_req, vocab]."""
+        runner = self.verify_graph_runner
+        if runner is not None and runner.can_run(batch):
+            self.cache.flush()
+            return runner.replay(batch)
+        return self.forward_logits(batch, self.forward_batch(batch))
 
     def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
         """Forward + sample, waiting for the result."""

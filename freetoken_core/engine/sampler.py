@@ -50,6 +50,22 @@ def apply_filters(
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a row samples from: temperature, then top-k / top-p / min-p, then softmax.
+    logits [R, V] fp32, one SamplingParams per row (none greedy)."""
+    dev = logits.device
+    temp = to_device([p.temperature for p in params], torch.float32, dev)
+    scaled = apply_filters(
+        logits / temp[:, None],
+        to_device([p.top_k for p in params], torch.int64, dev),
+        to_device([p.top_p for p in params], torch.float32, dev),
+        to_device([p.min_p for p in params], torch.float32, dev),
+        need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
+        need_min_p=any(p.min_p > 0 for p in params),
+    )
+    return scaled.softmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -81,19 +97,7 @@ class Sampler:
                 tokens[idx] = logits[idx].argmax(dim=-1)
         if random_rows:
             idx = to_device(random_rows, torch.int64, logits.device)
-            sub = [params[i] for i in random_rows]
-            dev = logits.device
-            temp = to_device([p.temperature for p in sub], torch.float32, dev)
-            scaled = logits[idx] / temp[:, None]
-            scaled = apply_filters(
-                scaled,
-                to_device([p.top_k for p in sub], torch.int64, dev),
-                to_device([p.top_p for p in sub], torch.float32, dev),
-                to_device([p.min_p for p in sub], torch.float32, dev),
-                need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in sub),
-                need_min_p=any(p.min_p > 0 for p in sub),
-            )
-            probs = scaled.softmax(dim=-1)
+            probs = sampling_probs(logits[idx], [params[i] for i in random_rows])
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=generators[i] or self.generator)

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import EngineConfig, SamplingParams
 from ..core import Batch, Req
@@ -22,6 +22,9 @@ from ..messages import DetokenizeMsg, EngineStats
 from .decode import allocate_decode, plan_decode
 from .prefill import plan_prefill
 from .stops import StopChecker
+
+if TYPE_CHECKING:
+    from .speculative import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,11 @@ class Scheduler:
         )
         self.prompt_tokens_total = 0
         self.generated_tokens_total = 0
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            from .speculative import SpecDecoder
+
+            self.spec = SpecDecoder(self)
 
     # --- requests in and out ----------------------------------------------------------------
     @property
@@ -108,6 +116,8 @@ class Scheduler:
                 raise ValueError("stop strings need a tokenizer; this model directory has none (use stop_token_ids)")
             self._stop_checkers[uid] = StopChecker(self.tokenizer, input_ids, params)
         self._by_uid[uid] = req
+        if self.spec is not None:
+            self.spec.add(req)
         self.waiting.append(req)
         self.prompt_tokens_total += len(input_ids)
         return uid
@@ -180,6 +190,13 @@ class Scheduler:
         return True
 
     def _run_decode(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> None:
+        if self.spec is not None:
+            self._drain(msgs)  # drafts need the committed tokens; verify steps run synchronously
+            decoders = self._decoders()
+            drafts = self.spec.propose(decoders)
+            if any(drafts.values()):
+                self.spec.run_verify(decoders, drafts, msgs)
+                return
         batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
         if retracted and self._pending is not None:
             self._drain(msgs)  # retraction needs settled lengths: plan again
@@ -245,6 +262,8 @@ class Scheduler:
                 req.first_token_time = now
             token = out.tokens[row]
             taken = self._commit_tokens(req, [token])
+            if self.spec is not None and not req.finished:
+                self.spec.on_commit(req, [token])
             if out.logprobs is not None and req.sampling.logprobs is not None:
                 req.output_logprobs.extend([out.logprobs[row]][:taken])
                 if out.top_logprobs is not None:
@@ -286,6 +305,8 @@ class Scheduler:
         self.cache.free(req)
         self._by_uid.pop(req.uid, None)
         self._stop_checkers.pop(req.uid, None)
+        if self.spec is not None:
+            self.spec.remove(req.uid)
 
     def _retract(self, req: Req) -> None:
         """Out of pages: give a running request's cache back and queue it first for recompute."""

@@ -1,0 +1,157 @@
+"""Speculative decoding in the scheduler: draft, verify k + 1 rows per request, commit, roll back.
+
+A verify step gives every request `rows = k + 1` query rows: its last committed token and k draft
+tokens (a request with fewer proposals pads with copies of its last token, which are never
+accepted). Row j's logits are the target's prediction for the token after row j. Acceptance
+(greedy: drafts equal to the argmax; sampling: rejection sampling, distribution-preserving) yields
+the accepted drafts plus one target token. `Scheduler._commit_tokens` takes them in order and stops
+at the first that finishes the request; `Req.commit_pending` and `CacheManager.rollback_tail` keep
+exactly the K/V of the committed positions and the pages of the committed tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..core import Req, to_device
+from ..engine.sampler import sampling_probs
+from ..messages import DetokenizeMsg
+from ..spec.ngram import NgramProposer
+from ..spec.verify import greedy_accept, rejection_accept
+from .decode import plan_decode
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+class SpecDecoder:
+    def __init__(self, sched: "Scheduler") -> None:
+        cfg = sched.config
+        self.sched = sched
+        self.k = cfg.num_speculative_tokens
+        self.rows = self.k + 1
+        self.max_ngram, self.min_ngram = cfg.ngram_max, cfg.ngram_min
+        self._proposers: dict[int, NgramProposer] = {}
+
+    # --- per-request drafter state ------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self._proposers[req.uid] = NgramProposer(req.input_ids, self.k, self.max_ngram, self.min_ngram)
+
+    def remove(self, uid: int) -> None:
+        self._proposers.pop(uid, None)
+
+    def on_commit(self, req: Req, tokens: list[int]) -> None:
+        prop = self._proposers.get(req.uid)
+        if prop is not None and tokens:
+            prop.extend(tokens)
+
+    def propose(self, decoders: list[Req]) -> dict[int, list[int]]:
+        """Drafts per request uid (empty when the n-gram lookup finds nothing)."""
+        out = {}
+        for r in decoders:
+            left = min(r.sampling.max_tokens - r.num_output, self.sched.max_req_len - r.seq_len) - 1
+            prop = self._proposers.get(r.uid)
+            out[r.uid] = prop.propose(max(0, min(left, self.k))) if prop is not None else []
+        return out
+
+    # --- the verify step ----------------------------------------------------------------------
+    def run_verify(self, decoders: list[Req], drafts: dict[int, list[int]], msgs: list[DetokenizeMsg]) -> None:
+        sched, cache, engine = self.sched, self.sched.cache, self.sched.engine
+        k, rows = self.k, self.rows
+        widened = lambda r: r.seq_len + k  # noqa: E731  positions L-1 .. L+k-1 are written
+        batch_reqs, retracted = plan_decode(decoders, sched.running, cache, widened)
+        for req in retracted:
+            sched._retract(req)
+        if not batch_reqs:
+            return
+        for r in batch_reqs:
+            cache.allocate(r, widened(r))
+            d = drafts.get(r.uid, [])
+            r.widen_pending(k, d + [r.output_ids[-1] if r.output_ids else r.input_ids[-1]] * (k - len(d)))
+        num_drafts = [len(drafts.get(r.uid, [])) for r in batch_reqs]
+        batch = engine.prepare_batch("verify", batch_reqs, [rows] * len(batch_reqs), rows_per_req=rows)
+        logits = engine.forward_verify(batch).view(len(batch_reqs), rows, -1)
+        self._ban_early_stops(logits, batch_reqs)
+        committed = self._accept(logits, batch_reqs, num_drafts)
+        lp = self._logprobs(logits, batch_reqs, committed)
+        for i, (req, tokens) in enumerate(zip(batch_reqs, committed)):
+            req.spec_proposed += num_drafts[i]
+            req.spec_accepted += len(tokens) - 1
+            if req.first_token_time is None:
+                req.first_token_time = time.perf_counter()
+            taken = sched._commit_tokens(req, tokens)
+            if req.finished:
+                msgs.append(sched._message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
+                continue
+            req.commit_pending(taken)
+            cache.rollback_tail(req, req.seq_len)
+            self.on_commit(req, tokens[:taken])
+            msgs.append(sched._message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
+
+    def _ban_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+        """min_tokens: row j of a request produces its output token number num_output + j."""
+        rows, cols = [], []
+        ban = sorted(self.sched.eos_token_ids)
+        for i, r in enumerate(reqs):
+            for j in range(self.rows):
+                if r.num_output + j < r.sampling.min_tokens:
+                    ids = [t for t in ban + r.sampling.stop_token_ids if t < logits.shape[-1]]
+                    rows += [i * self.rows + j] * len(ids)
+                    cols += ids
+        if rows:
+            idx = to_device([rows, cols], torch.int64, logits.device)
+            logits.view(-1, logits.shape[-1])[idx[0], idx[1]] = float("-inf")
+
+    def _accept(self, logits: torch.Tensor, reqs: list[Req], num_drafts: list[int]) -> list[list[int]]:
+        dev = logits.device
+        draft_ids = to_device([r.pending_ids for r in reqs], torch.int64, dev)
+        out: list[list[int]] = [[] for _ in reqs]
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+        if greedy:
+            g = to_device(greedy, torch.int64, dev)
+            res = greedy_accept(logits[g].argmax(dim=-1), draft_ids[g], [num_drafts[i] for i in greedy])
+            for i, toks in zip(greedy, res):
+                out[i] = toks
+        if sampled:
+            s = to_device(sampled, torch.int64, dev)
+            sub = logits[s]
+            params = [reqs[i].sampling for i in sampled for _ in range(self.rows)]
+            probs = sampling_probs(sub.reshape(-1, sub.shape[-1]), params).view(sub.shape)
+            res = rejection_accept(
+                probs, draft_ids[s], [num_drafts[i] for i in sampled],
+                [reqs[i].generator for i in sampled], self.sched.engine.sampler.generator,
+            )
+            for i, toks in zip(sampled, res):
+                out[i] = toks
+        return out
+
+    def _logprobs(self, logits: torch.Tensor, reqs: list[Req], committed: list[list[int]]) -> list[list[tuple]]:
+        """Per request: (logprob, top dict) of each committed token, from its verify row."""
+        out: list[list[tuple]] = [[] for _ in reqs]
+        for i, r in enumerate(reqs):
+            if r.sampling.logprobs is None:
+                continue
+            n = len(committed[i])
+            lp = logits[i, :n].log_softmax(dim=-1)
+            chosen = lp.gather(1, torch.tensor(committed[i], device=lp.device)[:, None]).squeeze(1).tolist()
+            tops: list[dict[int, float]] = [{} for _ in range(n)]
+            if r.sampling.logprobs:
+                v, ids = lp.topk(r.sampling.logprobs, dim=-1)
+                tops = [dict(zip(a, b)) for a, b in zip(ids.tolist(), v.tolist())]
+            out[i] = list(zip(chosen, tops))
+        return out
+
+    @staticmethod
+    def _extend_lp(req: Req, lp: list[tuple], taken: int) -> int | None:
+        """Record the committed tokens' logprobs; returns where this step's entries start."""
+        if req.sampling.logprobs is None:
+            return None
+        start = len(req.output_logprobs)
+        for value, top in lp[:taken]:
+            req.output_logprobs.append(value)
+            req.output_top_logprobs.append(top)
+        return start
