@@ -45,6 +45,12 @@ def _num_warps(block: int) -> int:
     return max(1, min(block // 256, 16))
 
 
+# No FMA contraction: after LLVM narrows `round(round(a*b) - round(c*d))` to bf16/fp16 ops it would fuse
+# the first product into the subtraction and skip a rounding the torch reference does (seen on the
+# H200: 1-ulp flips in ~7% of rotary outputs). These kernels are memory-bound; the FMAs buy nothing.
+_COMPILE = dict(enable_fp_fusion=False)
+
+
 # ----------------------------------------------------------------------------------------- RMSNorm
 
 
@@ -104,7 +110,7 @@ def _launch_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     _rmsnorm_kernel[(rows,)](
         xv, rv, weight, out, res_out if res_out is not None else out,
         inner, sx0, sx1, sr0, sr1, float(eps),
-        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block),
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block), **_COMPILE,
     )
     return out, res_out
 
@@ -158,7 +164,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out, x2.stride(0), inter, BLOCK=block, num_warps=_num_warps(block),
+        x2, out, x2.stride(0), inter, BLOCK=block, num_warps=_num_warps(block), **_COMPILE,
     )
     return out
 
@@ -252,7 +258,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         num_q_heads, num_k_heads, num_q_blocks,
         D=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        num_warps=_num_warps(block_h * 2 * block_half),
+        num_warps=_num_warps(block_h * 2 * block_half), **_COMPILE,
     )
     return q_out, k_out
 

@@ -14,6 +14,8 @@ from freetoken_core.layers import triton_ops as ops
 from freetoken_core.layers.rotary import RotaryEmbedding
 
 CPU_DTYPES = [torch.float32, torch.float16]
+# The small cases run where the kernels can: the interpreter on CPU, compiled on a GPU host.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -23,7 +25,7 @@ def _tol(dtype: torch.dtype) -> dict:
             torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}[dtype]
 
 
-def _randn(*shape: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0) -> torch.Tensor:
+def _randn(*shape: int, dtype: torch.dtype, device: str = DEV, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
@@ -77,7 +79,7 @@ def test_silu_and_mul_matches_reference(dtype, inter):
     _assert_mostly_exact(ops.silu_and_mul(x), ops.silu_and_mul_reference(x))
 
 
-def _rotary_case(head_dim: int, rot_dim: int, num_q: int, num_kv: int, dtype: torch.dtype, device: str = "cpu"):
+def _rotary_case(head_dim: int, rot_dim: int, num_q: int, num_kv: int, dtype: torch.dtype, device: str = DEV):
     params = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": rot_dim / head_dim}
     rope = RotaryEmbedding(head_dim, 600, params, dtype).to(device)
     assert rope.rot_dim == rot_dim
@@ -101,7 +103,7 @@ def test_rotary_matches_reference(dtype, head_dim, rot_dim, num_q, num_kv):
     q_in, k_in = q.clone(), k.clone()
     got_q, got_k = ops.rotary(positions, q, k, rope.cos_sin_cache, rot_dim)
     ref_q, ref_k = ops.rotary_reference(positions, q, k, rope.cos_sin_cache, rot_dim)
-    # each product and the sum rounded like the reference: exact under the interpreter
+    # each product and the sum rounded like the reference (no FMA contraction): bit-identical
     torch.testing.assert_close(got_q, ref_q, atol=0, rtol=0)
     torch.testing.assert_close(got_k, ref_k, atol=0, rtol=0)
     torch.testing.assert_close(q, q_in, atol=0, rtol=0)
@@ -109,18 +111,19 @@ def test_rotary_matches_reference(dtype, head_dim, rot_dim, num_q, num_kv):
 
 
 def test_rotary_reference_is_the_layer_cpu_path():
-    rope, positions, q, k = _rotary_case(24, 16, 3, 1, torch.float32)
+    rope, positions, q, k = _rotary_case(24, 16, 3, 1, torch.float32, "cpu")
     for got, ref in zip(rope(positions, q, k), ops.rotary_reference(positions, q, k, rope.cos_sin_cache, 16)):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
 
 
 def test_zero_rows_launch_nothing():
-    w = torch.ones(8)
-    assert ops.rmsnorm(torch.empty(0, 8), w, 1e-6).shape == (0, 8)
-    assert ops.fused_add_rmsnorm(torch.empty(0, 8), torch.empty(0, 8), w, 1e-6)[1].shape == (0, 8)
-    assert ops.silu_and_mul(torch.empty(0, 8)).shape == (0, 4)
-    rq, rk = ops.rotary(torch.empty(0, dtype=torch.long), torch.empty(0, 2, 8), torch.empty(0, 1, 8),
-                        torch.ones(4, 8), 8)
+    w = torch.ones(8, device=DEV)
+    e = dict(device=DEV)
+    assert ops.rmsnorm(torch.empty(0, 8, **e), w, 1e-6).shape == (0, 8)
+    assert ops.fused_add_rmsnorm(torch.empty(0, 8, **e), torch.empty(0, 8, **e), w, 1e-6)[1].shape == (0, 8)
+    assert ops.silu_and_mul(torch.empty(0, 8, **e)).shape == (0, 4)
+    rq, rk = ops.rotary(torch.empty(0, dtype=torch.long, **e), torch.empty(0, 2, 8, **e), torch.empty(0, 1, 8, **e),
+                        torch.ones(4, 8, **e), 8)
     assert rq.shape == (0, 2, 8) and rk.shape == (0, 1, 8)
 
 
