@@ -101,7 +101,8 @@ class Sampler:
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=generators[i] or self.generator)
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+            # exponential_ can return exactly 0: 0/0 would make a zero-probability token win
+            tokens[idx] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         out = DeviceSample(tokens=tokens)
         want_lp = [p.logprobs is not None for p in params]
         if any(want_lp):

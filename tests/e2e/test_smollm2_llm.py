@@ -1,0 +1,101 @@
+"""The real SmolLM2 model through the offline LLM API: transformers-identical greedy output on chat
+prompts, batched/chunked/paged runs identical to one-at-a-time, stop strings, streaming text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_core import LLM, SamplingParams
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "List three primary colors."}],
+    [{"role": "user", "content": "Explain recursion to a child in two sentences."}],
+]
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path, dtype="float32", page_size=16, max_running_req=8)
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(smollm2_path, llm):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32, local_files_only=True).eval()
+    outs = []
+    with torch.no_grad():
+        for chat in CHATS:
+            ids = torch.tensor([llm.encode_chat(chat)])
+            gen = ref.generate(ids, max_new_tokens=N_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+def test_chat_greedy_matches_transformers(llm, hf_outputs):
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    alone = [llm.chat(c, params)[0] for c in CHATS]
+    assert [o.token_ids for o in alone] == hf_outputs
+    assert "Paris" in alone[0].text
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_batched_chunked_equals_alone(smollm2_path, hf_outputs, page_size):
+    llm = LLM(smollm2_path, dtype="float32", page_size=page_size, max_running_req=3, max_extend_tokens=16,
+              kv_cache_gb=0.25)
+    outs = llm.chat(CHATS, SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_outputs
+    assert llm.scheduler.cache.num_free_pages == llm.scheduler.cache.num_total_pages
+
+
+def test_stop_string_spanning_tokens(llm):
+    base = llm.chat(CHATS[0], SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+    tok = llm.tokenizer
+    # a stop string made of the tail of one token and the head of the next
+    pieces = [tok.decode([t]) for t in base.token_ids]
+    i = next(i for i in range(2, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1].strip()) >= 2)
+    stop = pieces[i][-1:] + pieces[i + 1][:2]
+    assert stop in base.text
+    out = llm.chat(CHATS[0], SamplingParams(max_tokens=N_NEW, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+    assert out.token_ids == base.token_ids[: i + 2]
+
+
+def test_eos_vs_length_finish_reason(llm):
+    short = llm.chat(CHATS[0], SamplingParams(max_tokens=3))[0]
+    assert short.finish_reason == "length" and short.num_output_tokens == 3
+    full = llm.chat(CHATS[0], SamplingParams(max_tokens=200))[0]
+    assert full.finish_reason == "stop" and full.token_ids[-1] in llm.scheduler.eos_token_ids
+    assert full.num_output_tokens < 200
+
+
+def test_streamed_text_equals_offline_decode(llm):
+    prompt = "翻译成英文：你好，世界！🌍🚀 Then print it in Python: print('héllo')"
+    params = SamplingParams(max_tokens=40, ignore_eos=True, skip_special_tokens=False)
+    deltas = list(llm.stream(prompt, params))
+    ids = [t for d in deltas for t in d.next_tokens]
+    assert "".join(d.text for d in deltas) == llm.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+CODE = '''def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+'''
+
+
+def test_ngram_speculation_on_real_model(smollm2_path, llm):
+    chat = [{"role": "user", "content": "Repeat the following code exactly, with no other text:\n" + CODE * 2}]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    base = llm.chat(chat, params)[0]
+    spec_llm = LLM(smollm2_path, dtype="float32", page_size=16, max_running_req=4, speculative="ngram",
+                   num_speculative_tokens=4, kv_cache_gb=0.25)
+    out = spec_llm.chat(chat, params)[0]
+    assert out.token_ids == base.token_ids and out.text == base.text
+    assert out.spec_accepted >= 0.25 * out.spec_proposed > 0  # copying code: many drafts are right
