@@ -34,6 +34,10 @@ SHAPES = {
                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
                        rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                         rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
@@ -93,8 +97,9 @@ def weight_bytes_per_step(model: torch.nn.Module) -> tuple[int, int]:
     return read, read // 2
 
 
-def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int) -> tuple[float, int]:
-    """Prefill `bs` prompts, then time the decode steps; returns (seconds, steps)."""
+def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int) -> tuple[float, int, int]:
+    """Prefill `bs` prompts, then time the decode steps; returns (seconds, steps, tokens). Steps
+    while the last prompts are still prefilling are not timed."""
     vocab = sched.engine.vocab_size
     g = torch.Generator().manual_seed(bs * 7919 + prompt_len)
     for _ in range(bs):
@@ -104,12 +109,12 @@ def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int) -> t
         sched.step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    steps = 0
+    steps = tokens = 0
     while sched.has_work():
-        sched.step()
+        tokens += sum(len(m.next_tokens) for m in sched.step())
         steps += 1
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, steps
+    return time.perf_counter() - t0, steps, tokens
 
 
 def run_prefill(sched: Scheduler, n: int) -> float:
@@ -170,13 +175,15 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
     print("| model | bs | prompt | out | tok/s | ms/step | floor ms/step | % of floor |")
     print("|---|---|---|---|---|---|---|---|")
     run_decode(sched, 1, 16, 8)  # warm-up
+    run_decode(sched, max(args.bs), 16, 4)
     for p in args.prompts:
         for bs in args.bs:
-            dt, steps = run_decode(sched, bs, p, args.out_tokens)
+            dt, steps, tokens = run_decode(sched, bs, p, args.out_tokens)
             ms = dt / steps * 1e3
             avg_ctx = p + args.out_tokens / 2
-            floor = (wbytes + bs * avg_ctx * kv_per_token) / bw * 1e3
-            print(f"| {label} | {bs} | {p} | {args.out_tokens} | {bs * steps / dt:.0f} | {ms:.2f} | {floor:.2f} | "
+            avg_bs = tokens / steps  # requests decoding per timed step
+            floor = (wbytes + avg_bs * avg_ctx * kv_per_token) / bw * 1e3
+            print(f"| {label} | {bs} | {p} | {args.out_tokens} | {tokens / dt:.0f} | {ms:.2f} | {floor:.2f} | "
                   f"{100 * floor / ms:.0f}% |", flush=True)
     if args.prefill:
         dt = run_prefill(sched, args.prefill)
