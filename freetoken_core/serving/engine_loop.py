@@ -168,7 +168,7 @@ class EngineLoop:
         if msg.finished:
             del self._active[msg.uid]
             self.metrics.count_finish(msg.finish_reason or "stop")
-            n_out = st.output_ids.__len__() + len(msg.next_tokens)
+            n_out = msg.num_output_tokens
             if st.t_first is not None and n_out > 1:
                 self.metrics.observe_tpot((now - st.t_first) / (n_out - 1))
         if st.cancelled and msg.finished:
@@ -181,12 +181,8 @@ class EngineLoop:
             self._outbox.put((st.handle, None, "the request was aborted", True))
             return
         if st.parsed.stream:
-            context = st.output_ids[st.window.start():]
-            outputs = build_outputs(msg, msg.next_tokens, msg.logprobs, context, "", st.parsed.detok_params)
-            st.output_ids.extend(msg.next_tokens)
-            st.window.push(msg.next_tokens)
-            if outputs["next_tokens"].size or msg.finished:
-                self._outbox.put((st.handle, outputs, None, msg.finished))
+            # built by the sender thread, which merges what piles up for a request into one response
+            self._outbox.put((st, msg, None, msg.finished))
             return
         st.output_ids.extend(msg.next_tokens)
         st.held_tokens.extend(msg.next_tokens)
@@ -221,12 +217,45 @@ class EngineLoop:
 
     # --- sender thread --------------------------------------------------------------------------
     def _sender_main(self) -> None:
+        """Send responses in order per request. Streaming messages that queued up while a send was
+        in flight are merged into one response (all their next_tokens), so a slow transport costs
+        fewer, larger responses instead of a growing backlog: one per step when it keeps up."""
         while True:
-            item = self._outbox.get()
-            if item is None:
-                return
-            handle, outputs, error, final = item
-            try:
-                self.transport.send(handle, outputs, error, final)
-            except Exception:  # a client that went away: nothing more to tell it
-                log.debug("send failed", exc_info=True)
+            items = [self._outbox.get()]
+            while True:
+                try:
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            pending: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]] = {}
+            for item in items:
+                if item is None:
+                    self._flush_streams(pending)
+                    return
+                target, payload, error, final = item
+                if isinstance(target, ActiveRequest):  # a streaming message
+                    pending.setdefault(target.uid, (target, []))[1].append(payload)
+                    continue
+                for uid, (st, _) in list(pending.items()):  # keep order: this request's tokens first
+                    if st.handle is target:
+                        self._flush_streams({uid: pending.pop(uid)})
+                self._send(target, payload, error, final)
+            self._flush_streams(pending)
+
+    def _flush_streams(self, pending: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]]) -> None:
+        for st, msgs in pending.values():
+            last = msgs[-1]
+            tokens = [t for m in msgs for t in m.next_tokens]
+            logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
+            context = st.output_ids[st.window.start():]
+            outputs = build_outputs(last, tokens, logprobs, context, "", st.parsed.detok_params)
+            st.output_ids.extend(tokens)
+            st.window.push(tokens)
+            if tokens or last.finished:
+                self._send(st.handle, outputs, None, last.finished)
+
+    def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None:
+        try:
+            self.transport.send(handle, outputs, error, final)
+        except Exception:  # a client that went away: nothing more to tell it
+            log.debug("send failed", exc_info=True)

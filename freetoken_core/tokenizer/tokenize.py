@@ -19,7 +19,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 def load_tokenizer(model_path: str) -> "Tokenizer":
     """Load the tokenizer of a local model directory (or a local .gguf file) without touching a hub."""
-    from transformers import AutoTokenizer
+    AutoTokenizer = _auto_tokenizer_class()  # noqa: N806
 
     path = os.fspath(model_path)
     if not os.path.exists(path):
@@ -35,6 +35,22 @@ def load_tokenizer(model_path: str) -> "Tokenizer":
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         config_dir = path
     return Tokenizer(hf, generation_eos=_generation_config_eos(config_dir))
+
+
+def _auto_tokenizer_class() -> Any:
+    """transformers' AutoTokenizer, or PreTrainedTokenizerFast where AutoTokenizer cannot import.
+
+    AutoTokenizer pulls in the model classes (GenerationMixin); in a Triton Python-backend stub whose
+    numpy is 1.x next to packages built for numpy 2 that import fails, while the tokenizer.json-based
+    fast tokenizer, all a serving path needs, still loads."""
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer
+    except ImportError:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
 
 
 def _generation_config_eos(model_dir: str) -> list[int]:

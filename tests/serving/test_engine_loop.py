@@ -1,0 +1,67 @@
+"""EngineLoop without a server: a transport that records what Triton's response sender would get.
+A slow transport makes streaming messages pile up; they must merge into fewer responses whose
+tokens, order, stateless-detokenized text and single FINAL flag are exactly right."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.serving.engine_loop import EngineLoop
+from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.text_models import detokenize_response
+
+
+class RecordingTransport:
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.sent: dict[str, list[tuple[dict | None, str | None, bool]]] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.expected = 0
+
+    def send(self, handle, outputs, error, final) -> None:
+        time.sleep(self.delay_s)  # a slow IPC send: messages queue up behind it
+        with self.lock:
+            self.sent.setdefault(handle, []).append((outputs, error, final))
+            if final and sum(1 for r in self.sent.values() if r[-1][2]) == self.expected:
+                self.done.set()
+
+    def is_cancelled(self, handle) -> bool:
+        return False
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path, dtype="float32", max_running_req=8)
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+def test_streaming_responses_merge_exactly(llm, delay_s):
+    prompts = ["Write one sentence about cats.", "Dis bonjour en français, s'il te plaît.", "数到五"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = RecordingTransport(delay_s)
+    transport.expected = len(prompts)
+    loop = EngineLoop(llm.scheduler, transport)
+    loop.start()
+    try:
+        for i, p in enumerate(prompts):
+            loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True))
+        assert transport.done.wait(120)
+    finally:
+        loop.stop()
+    for i, exp in enumerate(expected):
+        responses = transport.sent[f"h{i}"]
+        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
+        tokens = [int(t) for out, _, _ in responses for t in out["next_tokens"]]
+        assert tokens == exp.token_ids
+        text = "".join(
+            detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
+        )
+        assert text == exp.text
+        if delay_s:
+            assert len(responses) < len(tokens)  # merged while the transport was busy
