@@ -39,8 +39,8 @@ class Transport(Protocol):
 
 @dataclass
 class LoopOptions:
-    cancel_check_interval_s: float = 0.05
-    metrics_interval_s: float = 0.2
+    cancel_check_interval_s: float = 0.2
+    metrics_interval_s: float = 0.5
     idle_wait_s: float = 0.05
 
 

@@ -49,7 +49,7 @@ def test_params_to_engine_config():
         engine_config_from_params({"model_path": "/m", "max_running_req": "many"})
     with pytest.raises(ValueError, match="max_running_req must be >= 1"):
         engine_config_from_params({"model_path": "/m", "max_running_req": "0"})
-    assert serving_options({})["cancel_check_interval_ms"] == 50.0
+    assert serving_options({})["cancel_check_interval_ms"] == 200.0
 
 
 def test_free_ports_distinct():
