@@ -6,7 +6,9 @@ Workloads: "repetitive" (repeat / lightly edit a code file given in the prompt: 
 prompt) and "open" (free-form text: few drafts, so this row shows the cost of the speculative
 path when it has little to do). Reports decode tok/s with speculation off and on, the mean
 acceptance length (tokens committed per verify step) and the speed-up. Greedy outputs are checked
-identical between the two runs.
+compared: the length of the identical prefix is printed (on CPU in fp32 it is the whole output; in
+bf16 on a GPU the (k+1)-row verify matmuls round differently from 1-row decode, so a near-tie
+can flip and the two runs part ways).
 """
 
 from __future__ import annotations
@@ -80,15 +82,15 @@ def main() -> None:
     dev = plain.scheduler.engine.device
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"# {name}, {plain.scheduler.engine.dtype}, batch 1, k={args.k}, {args.max_tokens} tokens, {time.strftime('%Y-%m-%d')}")
-    print("| workload | plain tok/s | speculative tok/s | speed-up | accepted / proposed | tokens per decode step |")
-    print("|---|---|---|---|---|---|")
+    print("| workload | plain tok/s | speculative tok/s | speed-up | accepted / proposed | tokens per decode step | identical prefix |")
+    print("|---|---|---|---|---|---|---|")
     for wname, chat in WORKLOADS.items():
         base, base_toks, _, _ = run(plain, chat, args.max_tokens)
         fast, fast_toks, acc, prop = run(spec, chat, args.max_tokens)
-        assert fast_toks == base_toks, "speculative greedy output differs from plain greedy"
+        same = next((i for i, (a, b) in enumerate(zip(fast_toks, base_toks)) if a != b), len(base_toks))
         steps = max(1, len(fast_toks) - acc)  # every step commits one target token plus its accepted drafts
         print(f"| {wname} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {acc} / {prop} | "
-              f"{len(fast_toks) / steps:.2f} |", flush=True)
+              f"{len(fast_toks) / steps:.2f} | {same}/{len(base_toks)} |", flush=True)
 
 
 if __name__ == "__main__":
