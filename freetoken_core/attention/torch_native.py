@@ -20,6 +20,8 @@ class TorchAttnMetadata:
     q_index: torch.Tensor  # [B, max_q] row of the batch for each padded query (padding: 0)
     q_valid: torch.Tensor  # [B, max_q] bool
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool: True = attend
+    one_row_each: bool = False  # every request runs exactly one row (decode): no query padding
+    mask_needed: bool = True  # False when every key of every row is visible (one decoding request)
 
 
 def build_torch_metadata(batch: Batch, page_table: torch.Tensor, page_size: int) -> TorchAttnMetadata:
@@ -39,7 +41,8 @@ def build_torch_metadata(batch: Batch, page_table: torch.Tensor, page_size: int)
     j = torch.arange(max_kv)
     mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < seq[:, None, None])
     mask |= ~q_valid[:, :, None] & (j == 0)[None, None, :]  # padded queries see one key: no NaN rows
-    return TorchAttnMetadata(kv_slots, q_index.to(dev), q_valid.to(dev), mask[:, None].to(dev))
+    return TorchAttnMetadata(kv_slots, q_index.to(dev), q_valid.to(dev), mask[:, None].to(dev), one_row_each=max_q == 1,
+                             mask_needed=not (max_q == 1 and len(batch.reqs) == 1))
 
 
 class TorchNativeBackend(AttnBackend):
@@ -56,12 +59,15 @@ class TorchNativeBackend(AttnBackend):
         md: TorchAttnMetadata = batch.attn_metadata
         self.kv_cache.store(layer_id, batch.out_loc, k, v)
         kf, vf = self.kv_cache.flat(layer_id)
-        qp = q[md.q_index].transpose(1, 2)  # [B, H, max_q, D]
-        kp = kf[md.kv_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_kv, D]
-        vp = vf[md.kv_slots].transpose(1, 2).to(q.dtype)
+        # decode: rows are already one per request, so skip the query gather and scatter
+        qp = (q[:, None] if md.one_row_each else q[md.q_index]).transpose(1, 2)  # [B, H, max_q, D]
+        kp = kf[md.kv_slots].transpose(1, 2)  # [B, Hkv, max_kv, D]
+        vp = vf[md.kv_slots].transpose(1, 2)
+        if kp.dtype != q.dtype:
+            kp, vp = kp.to(q.dtype), vp.to(q.dtype)
         out = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=md.mask, scale=self.layout.scale,
+            qp, kp, vp, attn_mask=md.mask if md.mask_needed else None, scale=self.layout.scale,
             enable_gqa=self.layout.num_heads != self.layout.num_kv_heads,
         )
-        out = out.transpose(1, 2)[md.q_valid]  # [T, H, D] in batch row order
+        out = out[:, :, 0] if md.one_row_each else out.transpose(1, 2)[md.q_valid]  # [T, H, D] in row order
         return out.reshape(out.shape[0], -1)

@@ -98,6 +98,13 @@ def init_dummy_weights_(model: torch.nn.Module, seed: int = 0) -> None:
                 p.normal_(0.0, 0.02, generator=g)
 
 
+def pack_cpu_weights(model: torch.nn.Module) -> None:
+    """Prepack every linear layer's weight for oneDNN (a no-op where unavailable)."""
+    for m in model.modules():
+        if hasattr(m, "pack_for_cpu"):
+            m.pack_for_cpu()
+
+
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto") -> torch.nn.Module:
     """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights."""
@@ -116,5 +123,7 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     else:
         raise ValueError(f"unknown load_format {load_format!r}; use auto or dummy")
     model.eval()
+    if device.type == "cpu":
+        pack_cpu_weights(model)
     logger.info("loaded %s (%s, %s) from %s in %.1f s", cls.__name__, dtype, device, path, time.perf_counter() - t0)
     return model
