@@ -35,6 +35,8 @@ def build_outputs(
         "num_input_tokens": np.array([msg.num_prompt_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([msg.num_output_tokens], dtype=np.uint32),
         "logprobs": np.asarray(logprobs or [], dtype=np.float32),
+        "spec_accepted": np.array([msg.spec_accepted], dtype=np.uint32),
+        "spec_proposed": np.array([msg.spec_proposed], dtype=np.uint32),
         "prompt_text": _bytes1(prompt_text),
         "detok_params": _bytes1(detok_params),
     }
