@@ -102,4 +102,8 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     env["PATH"] = os.pathsep.join([bindir, *parts])
     # Our models log through Python's logging; keep their output unbuffered so it interleaves sanely.
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # tritonserver, three Python stubs and the engine's torch threads share the CPU: OpenMP threads
+    # that spin after each parallel region starve the others (measured on the 2-core box: the served
+    # throughput went from 0.84x to 0.94x of in-process with passive waiting).
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
