@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core import Req, to_device
-from ..engine.sampler import sampling_probs
 from ..messages import DetokenizeMsg
 from ..spec.ngram import NgramProposer
-from ..spec.verify import greedy_accept, rejection_accept
+from ..spec.verify import verify
 from .decode import plan_decode
 
 if TYPE_CHECKING:
@@ -106,28 +105,11 @@ class SpecDecoder:
             logits.view(-1, logits.shape[-1])[idx[0], idx[1]] = float("-inf")
 
     def _accept(self, logits: torch.Tensor, reqs: list[Req], num_drafts: list[int]) -> list[list[int]]:
-        dev = logits.device
-        draft_ids = to_device([r.pending_ids for r in reqs], torch.int64, dev)
-        out: list[list[int]] = [[] for _ in reqs]
-        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy]
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
-        if greedy:
-            g = to_device(greedy, torch.int64, dev)
-            res = greedy_accept(logits[g].argmax(dim=-1), draft_ids[g], [num_drafts[i] for i in greedy])
-            for i, toks in zip(greedy, res):
-                out[i] = toks
-        if sampled:
-            s = to_device(sampled, torch.int64, dev)
-            sub = logits[s]
-            params = [reqs[i].sampling for i in sampled for _ in range(self.rows)]
-            probs = sampling_probs(sub.reshape(-1, sub.shape[-1]), params).view(sub.shape)
-            res = rejection_accept(
-                probs, draft_ids[s], [num_drafts[i] for i in sampled],
-                [reqs[i].generator for i in sampled], self.sched.engine.sampler.generator,
-            )
-            for i, toks in zip(sampled, res):
-                out[i] = toks
-        return out
+        draft_ids = to_device([r.pending_ids for r in reqs], torch.int64, logits.device)
+        return verify(
+            logits, draft_ids, num_drafts, [r.sampling for r in reqs], [r.generator for r in reqs],
+            self.sched.engine.sampler.generator,
+        )
 
     def _logprobs(self, logits: torch.Tensor, reqs: list[Req], committed: list[list[int]]) -> list[list[tuple]]:
         """Per request: (logprob, top dict) of each committed token, from its verify row."""

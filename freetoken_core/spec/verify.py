@@ -25,7 +25,7 @@ import torch
 
 from ..config import SamplingParams
 from ..core import to_device
-from ..engine.sampler import apply_filters
+from ..engine.sampler import sampling_probs as engine_sampling_probs
 
 
 @dataclass
@@ -157,24 +157,13 @@ def rejection_accept(
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [B, R, V] -> the target's final sampling distribution [B, R, V] (float32), applying
-    each request's temperature / top-k / top-p / min-p to all its R rows, as the sampler does.
+    """logits [B, R, V] -> the target's final sampling distribution [B, R, V] (float32): each
+    request's temperature / top-k / top-p / min-p on all its R rows, exactly as the sampler does.
     Every request must have temperature > 0."""
     batch, num_rows, vocab = logits.shape
     assert len(params) == batch and all(not p.greedy for p in params), "sampling_probs is for sampled requests"
-    dev = logits.device
     per_row = [p for p in params for _ in range(num_rows)]
-    temp = to_device([p.temperature for p in per_row], torch.float32, dev)
-    scaled = logits.reshape(batch * num_rows, vocab).float() / temp[:, None]
-    scaled = apply_filters(
-        scaled,
-        to_device([p.top_k for p in per_row], torch.int64, dev),
-        to_device([p.top_p for p in per_row], torch.float32, dev),
-        to_device([p.min_p for p in per_row], torch.float32, dev),
-        need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
-        need_min_p=any(p.min_p > 0 for p in params),
-    )
-    return scaled.softmax(dim=-1).reshape(batch, num_rows, vocab)
+    return engine_sampling_probs(logits.reshape(batch * num_rows, vocab).float(), per_row).reshape(batch, num_rows, vocab)
 
 
 def verify_device(
