@@ -23,6 +23,7 @@ import numpy as np
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.metrics import EngineMetrics
 from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.cancel import CancelChannel
 from freetoken_core.serving.response import build_outputs
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
@@ -70,6 +71,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._outbox: queue.SimpleQueue[tuple[Any, dict | None, str | None, bool] | None] = queue.SimpleQueue()
         self._active: dict[int, ActiveRequest] = {}
+        # requests whose response could not be sent (client gone): the engine thread aborts them
+        self._undeliverable: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cancel_channel = CancelChannel()  # cancels that reach the detokenizer (see cancel.py)
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)
         self._anchors = scheduler.tokenizer.anchors
@@ -98,12 +102,14 @@ class EngineLoop:
         self._outbox.put(None)
         if self._sender_thread.is_alive():
             self._sender_thread.join(timeout)
+        self._cancel_channel.close()
 
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
         last_cancel_check = last_metrics = 0.0
         while not self._stopping.is_set():
             self._admit()
+            self._abort_gone()
             now = time.perf_counter()
             if self._active and now - last_cancel_check >= self.opt.cancel_check_interval_s:
                 self._check_cancelled()
@@ -143,6 +149,22 @@ class EngineLoop:
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
             self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
+
+    def _abort_gone(self) -> None:
+        """Abort requests whose client is gone: a send failed, or a detokenizer saw the cancel."""
+        gone = set()
+        while True:
+            try:
+                gone.add(id(self._undeliverable.get_nowait()))
+            except queue.Empty:
+                break
+        cancelled = set(self._cancel_channel.poll())
+        if not gone and not cancelled:
+            return
+        for uid, st in list(self._active.items()):
+            if (uid in cancelled or id(st.handle) in gone) and not st.cancelled:
+                st.cancelled = True
+                self.sched.abort(uid)
 
     def _check_cancelled(self) -> None:
         for uid, st in list(self._active.items()):
@@ -190,7 +212,7 @@ class EngineLoop:
             st.held_logprobs.extend(msg.logprobs)
         if msg.finished:
             outputs = build_outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                    [], st.parsed.prompt_text, st.parsed.detok_params)
+                                    [], st.parsed.prompt_text, st.parsed.detok_params, self._cancel_channel.key(st.uid))
             self._outbox.put((st.handle, outputs, None, True))
 
     def _fail_all(self, error: str) -> None:
@@ -248,7 +270,8 @@ class EngineLoop:
             tokens = [t for m in msgs for t in m.next_tokens]
             logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
             context = st.output_ids[st.window.start():]
-            outputs = build_outputs(last, tokens, logprobs, context, "", st.parsed.detok_params)
+            outputs = build_outputs(last, tokens, logprobs, context, "", st.parsed.detok_params,
+                                    self._cancel_channel.key(st.uid))
             st.output_ids.extend(tokens)
             st.window.push(tokens)
             if tokens or last.finished:
@@ -257,5 +280,8 @@ class EngineLoop:
     def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None:
         try:
             self.transport.send(handle, outputs, error, final)
-        except Exception:  # a client that went away: nothing more to tell it
-            log.debug("send failed", exc_info=True)
+        except Exception as e:  # a client that went away: stop generating for it
+            log.info("send failed (%s: %s): aborting the request", type(e).__name__, e)
+            if not final:
+                self._undeliverable.put(handle)
+                self._wake.set()

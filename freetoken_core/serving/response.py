@@ -24,6 +24,7 @@ def build_outputs(
     context_tokens: list[int],
     prompt_text: str,
     detok_params: str,
+    cancel_key: str = "",
 ) -> dict[str, np.ndarray]:
     stop = msg.stop_reason
     return {
@@ -39,4 +40,5 @@ def build_outputs(
         "spec_proposed": np.array([msg.spec_proposed], dtype=np.uint32),
         "prompt_text": _bytes1(prompt_text),
         "detok_params": _bytes1(detok_params),
+        "cancel_key": _bytes1(cancel_key),  # see serving/cancel.py
     }

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from freetoken_core.serving.cancel import notify_cancel
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
@@ -54,6 +55,12 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
         "input_ids": np.asarray(ids, dtype=np.int32),
         "stop_token_ids": np.asarray(stop_ids, dtype=np.int32),
     }
+
+
+def forward_cancel(tensors: Mapping[str, np.ndarray]) -> bool:
+    """A detokenizer request that Triton marks cancelled: tell the engine (serving/cancel.py)."""
+    key = _text(_scalar(tensors.get("cancel_key")) or b"")
+    return bool(key) and notify_cancel(key)
 
 
 def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

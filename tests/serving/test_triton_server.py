@@ -245,13 +245,17 @@ def test_cancel_mid_stream_frees_pages(triton_server):
     assert wait_for(lambda: aborted() == aborted0 + 1, 20)
     assert wait_for(lambda: _pages(triton_server)[0] == free0, 10), _pages(triton_server)
 
-    # through the ensemble: Triton (2.51) does not pass the cancel into an in-flight decoupled step, so
-    # the engine finishes the request at max_tokens; the server must stay healthy and free the pages.
+    # through the ensemble: Triton (2.51) does not mark the in-flight decoupled step cancelled, but the
+    # detokenizer sees it and forwards it to the engine (serving/cancel.py): aborted long before 400 tokens
+    gen0 = metric(scrape_metrics(triton_server.metrics_url), "freetoken_generation_tokens_total")
     s = Stream(triton_server.grpc_url)
-    s.client.async_stream_infer("ensemble", ensemble_inputs("Count slowly from one to one hundred.", 40), request_id="x")
+    s.client.async_stream_infer("ensemble", ensemble_inputs("Count slowly from one to one hundred.", 400,
+                                                            ignore_eos=True), request_id="x")
     s.q.get(timeout=60)
     s.close(cancel=True)
-    assert wait_for(lambda: _pages(triton_server)[0] == free0, 60), _pages(triton_server)
+    assert wait_for(lambda: aborted() == aborted0 + 2, 20)
+    assert wait_for(lambda: _pages(triton_server)[0] == free0, 20), _pages(triton_server)
+    assert metric(scrape_metrics(triton_server.metrics_url), "freetoken_generation_tokens_total") - gen0 < 300
     assert _post(f"http://{triton_server.http_url}/v2/models/ensemble/generate",
                  {"text_input": PROMPT, "max_tokens": 4})[0] == 200
     assert _pages(triton_server)[1] == total

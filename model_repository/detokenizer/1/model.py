@@ -4,12 +4,12 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken_core.serving.text_models import detokenize_response
+from freetoken_core.serving.text_models import detokenize_response, forward_cancel
 from freetoken_core.serving.params import resolve_model_path
 from freetoken_core.tokenizer.tokenize import load_tokenizer
 
 INPUTS = ("next_tokens", "context_tokens", "finished", "finish_reason", "stop_reason", "num_input_tokens",
-          "num_output_tokens", "logprobs", "prompt_text", "detok_params")
+          "num_output_tokens", "logprobs", "prompt_text", "detok_params", "cancel_key")
 
 
 class TritonPythonModel:
@@ -26,6 +26,8 @@ class TritonPythonModel:
                     t = pb_utils.get_input_tensor_by_name(request, name)
                     if t is not None:
                         tensors[name] = t.as_numpy()
+                if request.is_cancelled():  # the client cancelled the ensemble: stop the engine too
+                    forward_cancel(tensors)
                 out = detokenize_response(self.tok, tensors)
                 responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
             except Exception as e:  # noqa: BLE001
