@@ -51,6 +51,8 @@ class Engine:
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format)
         model_max = int(getattr(self.model.config, "max_position_embeddings", MAX_DEFAULT_SEQ_LEN) or MAX_DEFAULT_SEQ_LEN)
         self.max_seq_len = config.max_seq_len or min(model_max, MAX_DEFAULT_SEQ_LEN)
+        if hasattr(self.model, "ensure_positions"):  # a max_seq_len past the model's own limit
+            self.model.ensure_positions(self.max_seq_len)
         # the longest request leaves room for a widened (speculative) step inside its page-table row
         self.max_req_len = self.max_seq_len - (config.decode_rows_per_req - 1)
         layout = self.model.attn_layout()

@@ -206,3 +206,10 @@ def test_overlap_schedule_same_tokens_and_accounting(model_path):
         assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
         assert llm.scheduler.cache.num_free_pages == llm.scheduler.cache.num_total_pages
         llm.scheduler.cache.check()
+
+
+def test_max_seq_len_past_model_positions(model_path):
+    """The tiny model declares 256 positions; an engine configured for 400 still decodes past 256."""
+    llm = LLM(model_path, dtype="float32", num_pages=200, page_size=4, max_seq_len=400)
+    out = llm.generate([[3] * 250], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert out.num_output_tokens == 40 and out.finish_reason == "length"
