@@ -33,7 +33,10 @@ class CacheManager:
         self._table_cpu = torch.full_like(self.page_table, DUMMY_PAGE, device="cpu")
         self._free_rows: list[int] = list(range(max_running_req - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # table row -> its pages in order
-        self._dirty: list[tuple[int, int, int]] = []  # (row, index, page) not yet on the device
+        # (row, index) -> page, not yet on the device. A dict, not a list: one step may set the same
+        # entry twice (rollback then re-allocate, free then a new request in the row), and a CUDA
+        # index_put with duplicate indices keeps an arbitrary one of them, not the last.
+        self._dirty: dict[tuple[int, int], int] = {}
 
     # --- rows -------------------------------------------------------------------------------
     @property
@@ -74,7 +77,7 @@ class CacheManager:
         pages.extend(new)
         for i, p in enumerate(new):
             self._table_cpu[req.table_row, start + i] = p
-            self._dirty.append((req.table_row, start + i, p))
+            self._dirty[(req.table_row, start + i)] = p
 
     def rollback_tail(self, req: Req, keep_tokens: int) -> None:
         """Free the pages past the first `keep_tokens` tokens (speculative rows not committed)."""
@@ -87,7 +90,7 @@ class CacheManager:
         self.pool.free(tail)
         for i in range(keep, keep + len(tail)):
             self._table_cpu[req.table_row, i] = DUMMY_PAGE
-            self._dirty.append((req.table_row, i, DUMMY_PAGE))
+            self._dirty[(req.table_row, i)] = DUMMY_PAGE
 
     def free(self, req: Req) -> None:
         """Give back every page and the row of a finished or aborted request."""
@@ -98,7 +101,7 @@ class CacheManager:
         self.pool.free(pages)
         self._table_cpu[row, : len(pages)] = DUMMY_PAGE
         for i in range(len(pages)):
-            self._dirty.append((row, i, DUMMY_PAGE))
+            self._dirty[(row, i)] = DUMMY_PAGE
         self._free_rows.append(row)
         req.table_row = -1
 
@@ -116,7 +119,7 @@ class CacheManager:
         """Write this step's page-table changes to the device table in one operation."""
         if not self._dirty:
             return
-        rows, cols, vals = zip(*self._dirty)
+        (rows, cols), vals = zip(*self._dirty.keys()), list(self._dirty.values())
         self._dirty.clear()
         dev = self.page_table.device
         idx = to_device([rows, cols], torch.int64, dev)

@@ -71,3 +71,28 @@ def test_random_alloc_free_keeps_accounting():
         cm.free(r)
     cm.check()
     assert cm.num_free_pages == cm.num_total_pages
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_flush_keeps_the_last_write_of_each_entry(device):
+    """Rollback then re-allocate (a speculative step), and free then a new request in the same row,
+    all before one flush: the device table must equal the host mirror. A CUDA index_put with
+    duplicate indices keeps an arbitrary value, so each entry may be written once per flush."""
+    cm = CacheManager(num_pages=64, page_size=1, max_running_req=2, max_seq_len=32, device=torch.device(device))
+    a = make_req(0)
+    cm.assign_row(a)
+    cm.allocate(a, 8)
+    cm.flush()
+    for _ in range(20):
+        cm.allocate(a, 12)  # widened rows
+        cm.rollback_tail(a, 9)  # kept one
+        cm.allocate(a, 12)  # the next step widens again: same entries, new pages
+    cm.free(a)
+    b = make_req(1)
+    cm.assign_row(b)  # the same row, new pages, same flush window
+    cm.allocate(b, 10)
+    assert len(cm._dirty) == len({k for k in cm._dirty})
+    cm.flush()
+    assert torch.equal(cm.page_table.cpu(), cm._table_cpu)
+    cm.check()
