@@ -6,9 +6,8 @@ Workloads: "repetitive" (repeat / lightly edit a code file given in the prompt: 
 prompt) and "open" (free-form text: few drafts, so this row shows the cost of the speculative
 path when it has little to do). Reports decode tok/s with speculation off and on, the mean
 acceptance length (tokens committed per verify step) and the speed-up. Greedy outputs are checked
-compared: the length of the identical prefix is printed (on CPU in fp32 it is the whole output; in
-bf16 on a GPU the (k+1)-row verify matmuls round differently from 1-row decode, so a near-tie
-can flip and the two runs part ways).
+compared: the length of the identical prefix is printed (in fp32 it is the whole output; in bf16 the
+(k+1)-row verify matmuls may round differently from 1-row decode, so a near-tie could flip).
 """
 
 from __future__ import annotations
