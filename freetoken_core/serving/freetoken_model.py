@@ -16,6 +16,7 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params, serving_options
 from freetoken_core.serving.request import parse_request
+from freetoken_core.serving.triton_io import input_arrays
 
 log = logging.getLogger("freetoken_core.serving")
 
@@ -78,12 +79,7 @@ class FreetokenModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                tensors = {}
-                for name in INPUT_NAMES:
-                    t = pb.get_input_tensor_by_name(request, name)
-                    if t is not None:
-                        tensors[name] = t.as_numpy()
-                parsed = parse_request(tensors, self.max_tokens_limit)
+                parsed = parse_request(input_arrays(pb, request, INPUT_NAMES), self.max_tokens_limit)
             except ValueError as e:
                 self.loop.reject(sender, str(e))
                 continue

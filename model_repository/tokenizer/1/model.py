@@ -1,32 +1,16 @@
 """Triton Python model `tokenizer`: thin glue over freetoken_core.serving.text_models."""
 
-import json
-
 import triton_python_backend_utils as pb_utils
 
 from freetoken_core.serving.text_models import tokenize_request
-from freetoken_core.serving.params import resolve_model_path
-from freetoken_core.tokenizer.tokenize import load_tokenizer
+from freetoken_core.serving.triton_io import model_tokenizer, respond_each
 
 INPUTS = ("text_input", "messages", "apply_chat_template", "stop_words")
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"]).get("parameters", {})
-        self.tok = load_tokenizer(resolve_model_path(params.get("model_path", {}).get("string_value", "")))
+        self.tok = model_tokenizer(args)
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                tensors = {}
-                for name in INPUTS:
-                    t = pb_utils.get_input_tensor_by_name(request, name)
-                    if t is not None:
-                        tensors[name] = t.as_numpy()
-                out = tokenize_request(self.tok, tensors)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
-            except Exception as e:  # noqa: BLE001  (a bad request fails alone, with its reason)
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
-        return responses
+        return respond_each(pb_utils, requests, INPUTS, lambda request, tensors: tokenize_request(self.tok, tensors))

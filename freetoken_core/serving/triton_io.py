@@ -1,0 +1,43 @@
+"""Glue the Triton Python models share: reading a request's inputs, one response per request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+
+def input_arrays(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The request's inputs among `names` as numpy arrays (absent optional inputs are left out)."""
+    out = {}
+    for name in names:
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        if t is not None:
+            out[name] = t.as_numpy()
+    return out
+
+
+def model_tokenizer(args: Mapping[str, Any]) -> Any:
+    """The tokenizer of the model named by the Triton model's `model_path` parameter."""
+    from freetoken_core.serving.params import resolve_model_path
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+
+    params = json.loads(args["model_config"]).get("parameters", {})
+    return load_tokenizer(resolve_model_path(params.get("model_path", {}).get("string_value", "")))
+
+
+def respond_each(
+    pb_utils: Any, requests: list[Any], names: Iterable[str], handle: Callable[[Any, dict[str, np.ndarray]], dict]
+) -> list[Any]:
+    """One response per request from handle(request, inputs) -> outputs; an exception fails only
+    its own request, with its message."""
+    names = tuple(names)
+    responses = []
+    for request in requests:
+        try:
+            out = handle(request, input_arrays(pb_utils, request, names))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
+        except Exception as e:  # noqa: BLE001
+            responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+    return responses
