@@ -56,6 +56,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu":
             return packed_linear(x, self.packed, self.bias)
+        if x.is_cuda:
+            from . import triton_gemv  # imported on first CUDA use: CPU users never load Triton
+
+            if triton_gemv.use_gemv(x, self.weight):  # batch-1 decode: beats cuBLAS there
+                return triton_gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:

@@ -1,0 +1,77 @@
+"""One-row GEMV kernel (layers/triton_gemv.py) vs its plain-torch reference, and the Linear dispatch.
+
+CPU: under TRITON_INTERPRET=1 in fp32 and fp16 with small ragged shapes. GPU (skipped without
+CUDA): bf16 on Llama-3-8B projection shapes, and a Linear layer taking the kernel inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_core.layers import triton_gemv
+from freetoken_core.layers.linear import Linear
+from freetoken_core.layers.triton_gemv import gemv, gemv_reference
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: str = DEV, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k", [200, 256])  # K not / a multiple of block_k
+def test_gemv_matches_reference(dtype, bias, k):
+    n = 72  # not a multiple of block_n
+    x = _randn(1, k, dtype=dtype, seed=1)
+    w = _randn(n, k, dtype=dtype, seed=2) * 0.1
+    b = _randn(n, dtype=dtype, seed=3) if bias else None
+    got = gemv(x, w, b, block_n=16, block_k=64, num_warps=4, num_stages=2)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got, gemv_reference(x, w, b), **tol)
+
+
+def test_gemv_takes_one_row_only():
+    with pytest.raises(AssertionError, match="one row"):
+        gemv(torch.zeros(2, 32, device=DEV), torch.zeros(16, 32, device=DEV), block_n=16, block_k=32)
+
+
+def test_dispatch_rule():
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    one = torch.empty(1, 4096, dtype=torch.bfloat16)
+    assert not triton_gemv.use_gemv(one, w)  # CPU tensors stay on torch
+    if torch.cuda.is_available():
+        assert triton_gemv.use_gemv(one.cuda(), w.cuda())
+        assert not triton_gemv.use_gemv(torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda"), w.cuda())
+        assert not triton_gemv.use_gemv(one.cuda().float(), w.cuda().float())
+        small = torch.empty(576, 576, dtype=torch.bfloat16, device="cuda")
+        assert not triton_gemv.use_gemv(torch.empty(1, 576, dtype=torch.bfloat16, device="cuda"), small)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (4096, 14336)])
+def test_gemv_bf16_8b_shapes(n, k):
+    x = _randn(1, k, dtype=torch.bfloat16, seed=4)
+    w = _randn(n, k, dtype=torch.bfloat16, seed=5) * 0.02
+    torch.testing.assert_close(gemv(x, w), gemv_reference(x, w), atol=1e-2, rtol=1e-2)
+
+
+@needs_cuda
+def test_linear_uses_gemv_in_a_cuda_graph():
+    lin = Linear(4096, 4096, dtype=torch.bfloat16).cuda()
+    lin.weight.data.normal_(0, 0.02)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    assert triton_gemv.use_gemv(x, lin.weight)
+    eager = lin(x)
+    g = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    with torch.cuda.graph(g):
+        static_y = lin(static_x)
+    static_x.copy_(x * 2)
+    g.replay()
+    torch.testing.assert_close(static_y, lin(x * 2))
+    torch.testing.assert_close(eager, gemv_reference(x, lin.weight), atol=1e-2, rtol=1e-2)
