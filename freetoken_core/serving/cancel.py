@@ -60,3 +60,32 @@ def notify_cancel(key: str) -> bool:
             return True
         except OSError:  # the engine is gone or its queue is full: nothing to stop
             return False
+
+
+class CancelCheckLimiter:
+    """Detokenizer side: how often to ask Triton whether a request was cancelled.
+
+    `request.is_cancelled()` is an IPC round trip to the server, and a streaming request reaches
+    the detokenizer once per engine step: asking every time doubled the detokenizer's IPC traffic.
+    A request (named by its cancel key) is asked on its first response and then at most every
+    `interval_s`; a cancel still reaches the engine within one interval. Keys not seen for
+    `forget_after_s` are dropped, so the table stays as small as the set of live streams.
+    """
+
+    def __init__(self, interval_s: float = 0.2, forget_after_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self.forget_after_s = forget_after_s
+        self._last: dict[str, float] = {}
+        self._next_prune = 0.0
+
+    def due(self, key: str, now: float) -> bool:
+        if not key:
+            return True  # not from a freetoken engine: nothing to rate-limit by
+        if now >= self._next_prune:
+            self._last = {k: t for k, t in self._last.items() if now - t < self.forget_after_s}
+            self._next_prune = now + self.forget_after_s
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            return False
+        self._last[key] = now
+        return True

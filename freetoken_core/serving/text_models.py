@@ -57,9 +57,13 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
     }
 
 
+def cancel_key_of(tensors: Mapping[str, np.ndarray]) -> str:
+    return _text(_scalar(tensors.get("cancel_key")) or b"")
+
+
 def forward_cancel(tensors: Mapping[str, np.ndarray]) -> bool:
     """A detokenizer request that Triton marks cancelled: tell the engine (serving/cancel.py)."""
-    key = _text(_scalar(tensors.get("cancel_key")) or b"")
+    key = cancel_key_of(tensors)
     return bool(key) and notify_cancel(key)
 
 

@@ -102,8 +102,12 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     env["PATH"] = os.pathsep.join([bindir, *parts])
     # Our models log through Python's logging; keep their output unbuffered so it interleaves sanely.
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # tritonserver, three Python stubs and the engine's torch threads share the CPU: OpenMP threads
-    # that spin after each parallel region starve the others (measured on the 2-core box: the served
-    # throughput went from 0.84x to 0.94x of in-process with passive waiting).
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # tritonserver, three Python stubs and the engine's torch threads share the CPU. libgomp's
+    # default (spin ~300k pauses after each parallel region) keeps a core busy between engine steps,
+    # while sender and detokenizer need it; OMP_WAIT_POLICY=PASSIVE (no spin) makes every one of the
+    # ~300 parallel regions of a CPU decode step wait for a woken thread (the box sat 40% idle). A
+    # short spin covers the Python gaps inside a forward and sleeps between steps (2-core box,
+    # benchmarks/bench_serving.py: 120-136 tok/s passive, 136-150 with 3000; RESULTS.md).
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", "3000")
     return env
