@@ -53,7 +53,8 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
     return n / dt
 
 
-def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict) -> float:
+def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
+                 stream: bool = True) -> float:
     import tritonclient.grpc as grpcclient
 
     from freetoken_core.serving.launcher import start_server
@@ -85,7 +86,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
             for name, arr, dt in [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
                                   ("max_tokens", np.array([out_tokens], np.int32), "INT32"),
                                   ("ignore_eos", np.array([True]), "BOOL"),
-                                  ("stream", np.array([True]), "BOOL")]:
+                                  ("stream", np.array([stream]), "BOOL")]:
                 t = grpcclient.InferInput(name, list(arr.shape), dt)
                 t.set_data_from_numpy(arr)
                 ins.append(t)
@@ -132,6 +133,8 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--no-stream", action="store_true", help="one response per request (isolates per-response cost)")
+    p.add_argument("--only", choices=["offline", "triton"], default=None, help="run one path (for profiling)")
     args = p.parse_args()
 
     from freetoken_core.models.gguf import default_model_path
@@ -142,10 +145,14 @@ def main() -> int:
     engine_kw = {"dtype": args.dtype, "device": args.device}
     if args.num_pages:
         engine_kw["num_pages"] = args.num_pages
-    offline = bench_offline(model_path, prompts, args.output_tokens, args.concurrency, engine_kw)
-    print(f"in-process LLM:      {offline:8.1f} output tok/s", flush=True)
-    served = bench_triton(model_path, prompts, args.output_tokens, args.concurrency, engine_kw)
-    print(f"tritonserver stream: {served:8.1f} output tok/s", flush=True)
+    if args.only != "triton":
+        offline = bench_offline(model_path, prompts, args.output_tokens, args.concurrency, engine_kw)
+        print(f"in-process LLM:      {offline:8.1f} output tok/s", flush=True)
+    if args.only != "offline":
+        served = bench_triton(model_path, prompts, args.output_tokens, args.concurrency, engine_kw, not args.no_stream)
+        print(f"tritonserver {'stream' if not args.no_stream else 'single'}: {served:8.1f} output tok/s", flush=True)
+    if args.only:
+        return 0
     print(f"ratio triton/in-process: {served / offline:.3f}  "
           f"({args.requests} requests, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
           f"concurrency {args.concurrency})")

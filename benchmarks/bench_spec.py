@@ -53,7 +53,10 @@ WORKLOADS = {
 def run(llm: LLM, chat, max_tokens: int) -> tuple[float, list[int], int, int]:
     """Output tok/s (prompt prefill included: short next to the decode), tokens, accepted, proposed."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.chat(chat, SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+    # warm up with the same request: the first verify steps of a process pay one-time costs (kernel
+    # loads, allocator growth) that an 8-token warm-up may not reach; on the H200 they were ~25% of
+    # a 192-token run
+    llm.chat(chat, params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
