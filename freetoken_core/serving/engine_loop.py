@@ -1,11 +1,9 @@
 """The `freetoken` model's runtime: an engine thread that steps the scheduler, a sender thread.
 
 Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
-thread admits new requests, runs `Scheduler.step()` and turns each DetokenizeMsg into a response.
-Nothing on it waits for the server: responses go through a queue to the sender thread, and a
-control thread makes the other IPC round trips, polling cancellation every `cancel_check_interval_ms`
-and replaying the engine's metric updates (on the 2-core CPU box each wait on the engine thread was
-a stall of the whole step).
+thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
+round trip to the server), runs `Scheduler.step()` and turns each DetokenizeMsg into a response.
+Responses go through a queue to the sender thread, so a slow `send()` never stalls a step.
 
 Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
 client cancel. The Triton objects stay behind `Transport` so this file runs in unit tests too.
@@ -23,7 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.metrics import DeferredMetrics, EngineMetrics
+from freetoken_core.serving.metrics import EngineMetrics
 from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.cancel import CancelChannel
 from freetoken_core.serving.response import build_outputs
@@ -45,7 +43,6 @@ class LoopOptions:
     cancel_check_interval_s: float = 0.2
     metrics_interval_s: float = 0.5
     idle_wait_s: float = 0.05
-    control_tick_s: float = 0.05  # how often the control thread replays metric updates
 
 
 @dataclass
@@ -69,28 +66,24 @@ class EngineLoop:
         self.sched = scheduler
         self.transport = transport
         self.opt = options or LoopOptions()
-        self.metrics = DeferredMetrics(metrics or EngineMetrics())  # applied by the control thread
+        self.metrics = metrics or EngineMetrics()
         self._inbox: queue.SimpleQueue[tuple[Any, ParsedRequest, float]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._outbox: queue.SimpleQueue[tuple[Any, dict | None, str | None, bool] | None] = queue.SimpleQueue()
         self._active: dict[int, ActiveRequest] = {}
         # requests whose response could not be sent (client gone): the engine thread aborts them
         self._undeliverable: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # requests the control thread found cancelled (Triton's is_cancelled): the engine aborts them
-        self._cancelled_uids: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._cancel_channel = CancelChannel()  # cancels that reach the detokenizer (see cancel.py)
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)
         self._anchors = scheduler.tokenizer.anchors
         self._engine_thread = threading.Thread(target=self._engine_main, name="freetoken-engine", daemon=True)
         self._sender_thread = threading.Thread(target=self._sender_main, name="freetoken-sender", daemon=True)
-        self._control_thread = threading.Thread(target=self._control_main, name="freetoken-control", daemon=True)
 
     # --- called from Triton's execute() thread --------------------------------------------------
     def start(self) -> None:
         self._engine_thread.start()
         self._sender_thread.start()
-        self._control_thread.start()
 
     def submit(self, handle: Any, parsed: ParsedRequest) -> None:
         self._inbox.put((handle, parsed, time.perf_counter()))
@@ -106,9 +99,6 @@ class EngineLoop:
         self._wake.set()
         if self._engine_thread.is_alive():
             self._engine_thread.join(timeout)
-        if self._control_thread.is_alive():
-            self._control_thread.join(timeout)
-        self.metrics.apply()  # what the engine recorded after the control thread's last tick
         self._outbox.put(None)
         if self._sender_thread.is_alive():
             self._sender_thread.join(timeout)
@@ -116,11 +106,14 @@ class EngineLoop:
 
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
-        last_metrics = 0.0
+        last_cancel_check = last_metrics = 0.0
         while not self._stopping.is_set():
             self._admit()
             self._abort_gone()
             now = time.perf_counter()
+            if self._active and now - last_cancel_check >= self.opt.cancel_check_interval_s:
+                self._check_cancelled()
+                last_cancel_check = now
             if self.sched.has_work():
                 try:
                     msgs = self.sched.step()
@@ -166,11 +159,6 @@ class EngineLoop:
             except queue.Empty:
                 break
         cancelled = set(self._cancel_channel.poll())
-        while True:
-            try:
-                cancelled.add(self._cancelled_uids.get_nowait())
-            except queue.Empty:
-                break
         if not gone and not cancelled:
             return
         for uid, st in list(self._active.items()):
@@ -178,24 +166,8 @@ class EngineLoop:
                 st.cancelled = True
                 self.sched.abort(uid)
 
-    # --- control thread -------------------------------------------------------------------------
-    def _control_main(self) -> None:
-        last_cancel_check = 0.0
-        tick = min(self.opt.control_tick_s, self.opt.cancel_check_interval_s)
-        while not self._stopping.wait(tick):
-            try:
-                self.metrics.apply()
-            except Exception:
-                log.exception("metrics update failed")
-            now = time.perf_counter()
-            if now - last_cancel_check >= self.opt.cancel_check_interval_s:
-                self._check_cancelled()
-                last_cancel_check = now
-
     def _check_cancelled(self) -> None:
-        """Ask Triton about every active request (an IPC round trip each); the engine thread aborts."""
-        found = False
-        for uid, st in list(self._active.items()):  # a snapshot: the engine thread owns the dict
+        for uid, st in list(self._active.items()):
             if st.cancelled:
                 continue
             try:
@@ -203,10 +175,8 @@ class EngineLoop:
             except Exception:  # the sender is gone (client disconnected): same as a cancel
                 cancelled = True
             if cancelled:
-                self._cancelled_uids.put(uid)
-                found = True
-        if found:
-            self._wake.set()
+                st.cancelled = True
+                self.sched.abort(uid)
 
     def _on_message(self, msg: DetokenizeMsg) -> None:
         st = self._active.get(msg.uid)
@@ -262,7 +232,10 @@ class EngineLoop:
             log.exception("draining aborted requests failed")
 
     def _push_metrics(self) -> None:
-        self.metrics.set_engine_stats(self.sched.stats())  # recorded here, sent by the control thread
+        try:
+            self.metrics.set_engine_stats(self.sched.stats())
+        except Exception:
+            log.exception("metrics update failed")
 
     # --- sender thread --------------------------------------------------------------------------
     def _sender_main(self) -> None:

@@ -7,7 +7,6 @@ per request) go out as they happen.
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 from freetoken_core.messages import EngineStats
@@ -26,43 +25,6 @@ class EngineMetrics:
     def add_generated_tokens(self, n: int) -> None: ...
     def count_finish(self, reason: str) -> None: ...
     def set_engine_stats(self, stats: EngineStats) -> None: ...
-
-
-class DeferredMetrics(EngineMetrics):
-    """Records the engine thread's metric calls; `apply()` replays them on the real metrics from
-    another thread. Every Triton metric update is an IPC round trip to the server, and the engine
-    thread must not wait on one between steps."""
-
-    def __init__(self, target: EngineMetrics) -> None:
-        self.target = target
-        self._ops: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._ops.put(("observe_ttft", seconds))
-
-    def observe_tpot(self, seconds: float) -> None:
-        self._ops.put(("observe_tpot", seconds))
-
-    def add_prompt_tokens(self, n: int) -> None:
-        self._ops.put(("add_prompt_tokens", n))
-
-    def add_generated_tokens(self, n: int) -> None:
-        self._ops.put(("add_generated_tokens", n))
-
-    def count_finish(self, reason: str) -> None:
-        self._ops.put(("count_finish", reason))
-
-    def set_engine_stats(self, stats: EngineStats) -> None:
-        self._ops.put(("set_engine_stats", stats))
-
-    def apply(self) -> None:
-        """Replay what was recorded, in order (called from the one thread that owns `target`)."""
-        while True:
-            try:
-                name, arg = self._ops.get_nowait()
-            except queue.Empty:
-                return
-            getattr(self.target, name)(arg)
 
 
 class TritonMetrics(EngineMetrics):

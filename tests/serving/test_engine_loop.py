@@ -10,8 +10,7 @@ import time
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.metrics import EngineMetrics
+from freetoken_core.serving.engine_loop import EngineLoop
 from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.text_models import detokenize_response
 
@@ -66,62 +65,3 @@ def test_streaming_responses_merge_exactly(llm, delay_s):
         assert text == exp.text
         if delay_s:
             assert len(responses) < len(tokens)  # merged while the transport was busy
-
-
-class CancellingTransport(RecordingTransport):
-    """Reports handle "h0" cancelled once it has had `after` responses; records who asked."""
-
-    def __init__(self, after: int) -> None:
-        super().__init__(0.0)
-        self.after = after
-        self.asked_from: set[str] = set()
-
-    def is_cancelled(self, handle) -> bool:
-        self.asked_from.add(threading.current_thread().name)
-        with self.lock:
-            return handle == "h0" and len(self.sent.get("h0", [])) >= self.after
-
-
-class CountingMetrics(EngineMetrics):
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str]] = []  # (method, thread name)
-
-    def _note(self, name: str) -> None:
-        self.calls.append((name, threading.current_thread().name))
-
-    def observe_ttft(self, seconds: float) -> None:
-        self._note("observe_ttft")
-
-    def count_finish(self, reason: str) -> None:
-        self._note(f"finish:{reason}")
-
-    def set_engine_stats(self, stats) -> None:
-        self._note("stats")
-
-
-def test_cancel_polls_and_metrics_run_off_the_engine_thread(llm):
-    """Triton's is_cancelled and metric updates are IPC round trips: the control thread makes them,
-    a cancel it finds still aborts the request (FINAL alone, pages back), metrics still arrive."""
-    free0 = llm.scheduler.stats().num_free_pages
-    transport = CancellingTransport(after=2)
-    transport.expected = 2
-    metrics = CountingMetrics()
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions(cancel_check_interval_s=0.01, control_tick_s=0.01), metrics)
-    loop.start()
-    try:
-        params = SamplingParams(max_tokens=400, ignore_eos=True)
-        short = SamplingParams(max_tokens=8, ignore_eos=True)
-        loop.submit("h0", ParsedRequest(input_ids=llm.encode("Count to one thousand."), params=params, stream=True))
-        loop.submit("h1", ParsedRequest(input_ids=llm.encode("Say hi."), params=short, stream=True))
-        assert transport.done.wait(120)
-    finally:
-        loop.stop()
-    cancelled = transport.sent["h0"]
-    assert cancelled[-1] == (None, None, True)  # the FINAL flag alone
-    assert sum(len(out["next_tokens"]) for out, _, _ in cancelled[:-1]) < 400
-    assert len([1 for out, _, _ in transport.sent["h1"] for _ in out["next_tokens"]]) == 8
-    assert transport.asked_from == {"freetoken-control"}
-    assert {t for _, t in metrics.calls} <= {"freetoken-control", threading.current_thread().name}
-    names = [n for n, _ in metrics.calls]
-    assert names.count("observe_ttft") == 2 and "finish:length" in names and "stats" in names
-    assert llm.scheduler.stats().num_free_pages == free0
