@@ -43,6 +43,10 @@ class LoopOptions:
     cancel_check_interval_s: float = 0.2
     metrics_interval_s: float = 0.5
     idle_wait_s: float = 0.05
+    # streaming: hold a request's tokens until this many are ready (the first token and the last
+    # response go out at once). 1 = a response per engine step; larger values trade streaming
+    # granularity for fewer responses, each of which costs the ensemble a detokenizer execution.
+    stream_interval: int = 1
 
 
 @dataclass
@@ -57,6 +61,9 @@ class ActiveRequest:
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[float] = field(default_factory=list)
+    # streaming requests: messages held back by stream_interval, and whether anything went out yet
+    stream_held: list[DetokenizeMsg] = field(default_factory=list)
+    streamed: bool = False
     cancelled: bool = False
 
 
@@ -204,7 +211,12 @@ class EngineLoop:
             return
         if st.parsed.stream:
             # built by the sender thread, which merges what piles up for a request into one response
-            self._outbox.put((st, msg, None, msg.finished))
+            st.stream_held.append(msg)
+            held = sum(len(m.next_tokens) for m in st.stream_held)
+            if msg.finished or not st.streamed or held >= self.opt.stream_interval:
+                self._outbox.put((st, st.stream_held, None, msg.finished))
+                st.stream_held = []
+                st.streamed = True
             return
         st.output_ids.extend(msg.next_tokens)
         st.held_tokens.extend(msg.next_tokens)
@@ -255,8 +267,8 @@ class EngineLoop:
                     self._flush_streams(pending)
                     return
                 target, payload, error, final = item
-                if isinstance(target, ActiveRequest):  # a streaming message
-                    pending.setdefault(target.uid, (target, []))[1].append(payload)
+                if isinstance(target, ActiveRequest):  # streaming messages of one request
+                    pending.setdefault(target.uid, (target, []))[1].extend(payload)
                     continue
                 for uid, (st, _) in list(pending.items()):  # keep order: this request's tokens first
                     if st.handle is target:

@@ -14,7 +14,9 @@ import numpy as np
 
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.metrics import TritonMetrics
-from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params, serving_options
+from freetoken_core.serving.params import (
+    engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
+)
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
 
@@ -67,6 +69,7 @@ class FreetokenModel:
             LoopOptions(
                 cancel_check_interval_s=self.options["cancel_check_interval_ms"] / 1000.0,
                 metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
+                stream_interval=stream_interval(self.options),
             ),
             TritonMetrics(pb_utils, labels),
         )

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.serving.engine_loop import EngineLoop
+from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.text_models import detokenize_response
 
@@ -39,14 +39,10 @@ def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=8)
 
 
-@pytest.mark.parametrize("delay_s", [0.0, 0.05])
-def test_streaming_responses_merge_exactly(llm, delay_s):
-    prompts = ["Write one sentence about cats.", "Dis bonjour en français, s'il te plaît.", "数到五"]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    expected = llm.generate(prompts, params)
-    transport = RecordingTransport(delay_s)
+def stream_through_loop(llm, prompts, params, transport: RecordingTransport, options: LoopOptions) -> RecordingTransport:
+    """Stream every prompt through an EngineLoop on llm's scheduler; returns the transport."""
     transport.expected = len(prompts)
-    loop = EngineLoop(llm.scheduler, transport)
+    loop = EngineLoop(llm.scheduler, transport, options)
     loop.start()
     try:
         for i, p in enumerate(prompts):
@@ -54,6 +50,15 @@ def test_streaming_responses_merge_exactly(llm, delay_s):
         assert transport.done.wait(120)
     finally:
         loop.stop()
+    return transport
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+def test_streaming_responses_merge_exactly(llm, delay_s):
+    prompts = ["Write one sentence about cats.", "Dis bonjour en français, s'il te plaît.", "数到五"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = stream_through_loop(llm, prompts, params, RecordingTransport(delay_s), LoopOptions())
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
         assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
@@ -65,3 +70,23 @@ def test_streaming_responses_merge_exactly(llm, delay_s):
         assert text == exp.text
         if delay_s:
             assert len(responses) < len(tokens)  # merged while the transport was busy
+
+
+def test_stream_interval_holds_tokens_but_not_the_first(llm):
+    """stream_interval=4: the first token goes out alone, then responses of at least 4 tokens, the
+    last one whatever is left; tokens, text and the single FINAL flag stay exact."""
+    prompts = ["Write one sentence about cats.", "数到五"]
+    params = SamplingParams(max_tokens=23, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = stream_through_loop(llm, prompts, params, RecordingTransport(0.0), LoopOptions(stream_interval=4))
+    for i, exp in enumerate(expected):
+        responses = transport.sent[f"h{i}"]
+        sizes = [len(out["next_tokens"]) for out, _, _ in responses]
+        assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 23
+        assert len(responses) <= 1 + 22 // 4 + 1
+        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
+        assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == exp.token_ids
+        text = "".join(
+            detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
+        )
+        assert text == exp.text

@@ -7,7 +7,9 @@ import pytest
 from freetoken_core.serving.launcher import (
     free_ports, get_parameter, render_repository, set_parameter, source_repository,
 )
-from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params, serving_options
+from freetoken_core.serving.params import (
+    engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
+)
 
 
 def test_set_parameter_replaces_and_appends():
@@ -50,6 +52,10 @@ def test_params_to_engine_config():
     with pytest.raises(ValueError, match="max_running_req must be >= 1"):
         engine_config_from_params({"model_path": "/m", "max_running_req": "0"})
     assert serving_options({})["cancel_check_interval_ms"] == 200.0
+    assert stream_interval(serving_options({})) == 1 and stream_interval(serving_options({"stream_interval": "4"})) == 4
+    for bad in ("0", "2.5"):
+        with pytest.raises(ValueError, match="stream_interval"):
+            stream_interval(serving_options({"stream_interval": bad}))
 
 
 def test_free_ports_distinct():
