@@ -68,7 +68,7 @@ def main() -> None:
         reps = 2 * copies
         t_cublas = graph_time_us(lambda i: F.linear(x, ws[i % copies]), reps)
         t_default = graph_time_us(lambda i: gemv(x, ws[i % copies]), reps)
-        best, best_cfg = t_default, default_config(n, k)
+        best, best_cfg = t_default, default_config(k)
         for c in [] if args.no_sweep else CONFIGS:
             try:
                 t = graph_time_us(lambda i, c=c: gemv(x, ws[i % copies], **c), reps)

@@ -53,7 +53,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def default_config(n: int, k: int) -> dict[str, int]:
+def default_config(k: int) -> dict[str, int]:
     """From the bench_gemv.py sweep on the H200 (Llama-3-8B shapes): 16 rows of W per program and
     long K steps with 8 warps were best for O and down and within a few % elsewhere."""
     return dict(block_n=16, block_k=1024 if k >= 4096 else 256, num_warps=8, num_stages=2)
@@ -76,7 +76,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     assert x.shape[0] == 1, f"gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    cfg = default_config(n, k)
+    cfg = default_config(k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](

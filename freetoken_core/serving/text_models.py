@@ -58,12 +58,12 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
 
 
 def cancel_key_of(tensors: Mapping[str, np.ndarray]) -> str:
+    """The engine's cancel key carried by an engine response ("" when it has none)."""
     return _text(_scalar(tensors.get("cancel_key")) or b"")
 
 
-def forward_cancel(tensors: Mapping[str, np.ndarray]) -> bool:
+def forward_cancel(key: str) -> bool:
     """A detokenizer request that Triton marks cancelled: tell the engine (serving/cancel.py)."""
-    key = cancel_key_of(tensors)
     return bool(key) and notify_cancel(key)
 
 

@@ -27,6 +27,34 @@ MAX_SPLITS = 32
 
 
 @triton.jit
+def attend_paged_keys(
+    q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
+    stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, lo, hi, kv_end, d, d_valid,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Online-softmax update over keys [lo, hi) of one request, read through its page-table row."""
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        p_valid = pos < kv_end
+        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        kv_mask = p_valid[:, None] & d_valid[None, :]
+        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        if CAUSAL:
+            allowed = (pos[None, :] <= q_pos[:, None]) & p_valid[None, :]
+            qk = tl.where(allowed, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KCache, VCache, PageTable, TableRows, SeqLens,
     Out, PartOut, PartLse,
@@ -68,23 +96,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        p_valid = pos < end
-        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_mask = p_valid[:, None] & d_valid[None, :]
-        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        allowed = (pos[None, :] < kv_len[:, None]) & p_valid[None, :]
-        qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # row r sees keys [0, kv_len[r]): position kv_len - 1 is its own
+    m_i, l_i, acc = attend_paged_keys(
+        q, kv_len - 1, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
+        stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, start, end, end, d, d_valid,
+        BLOCK_N, PAGE_SIZE, DOT_PRECISION, True,
+    )
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]

@@ -17,35 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import LOG2E
-
-
-@triton.jit
-def _attend_keys(
-    q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
-    stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, lo, hi, kv_end, d, d_valid,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-):
-    """Online-softmax update over keys [lo, hi) of one request, read through its page-table row."""
-    for n0 in range(lo, hi, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        p_valid = pos < kv_end
-        page = tl.load(PageTable + table_row * stride_pt + pos // PAGE_SIZE, mask=p_valid, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        kv_mask = p_valid[:, None] & d_valid[None, :]
-        k = tl.load(KCache + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
-        if CAUSAL:
-            allowed = (pos[None, :] <= q_pos[:, None]) & p_valid[None, :]
-            qk = tl.where(allowed, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VCache + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
-    return m_i, l_i, acc
+from .decode import LOG2E, attend_paged_keys
 
 
 @triton.jit
@@ -86,12 +58,12 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys before the block's first row are visible to every row: no causal mask there.
     full_end = (prefix + mb * BLOCK_M) // BLOCK_N * BLOCK_N
-    m_i, l_i, acc = _attend_keys(
+    m_i, l_i, acc = attend_paged_keys(
         q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
         stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, 0, full_end, kv_end, d, d_valid,
         BLOCK_N, PAGE_SIZE, DOT_PRECISION, False,
     )
-    m_i, l_i, acc = _attend_keys(
+    m_i, l_i, acc = attend_paged_keys(
         q, q_pos, m_i, l_i, acc, KCache, VCache, PageTable, table_row, stride_pt,
         stride_ks, stride_kh, stride_vs, stride_vh, kv_head, qk_scale, full_end, kv_end, kv_end, d, d_valid,
         BLOCK_N, PAGE_SIZE, DOT_PRECISION, True,

@@ -19,8 +19,9 @@ class TritonPythonModel:
 
     def _detokenize(self, request, tensors):
         # the client cancelled the ensemble: stop the engine too
-        if self.cancel_checks.due(cancel_key_of(tensors), time.monotonic()) and request.is_cancelled():
-            forward_cancel(tensors)
+        key = cancel_key_of(tensors)
+        if self.cancel_checks.due(key, time.monotonic()) and request.is_cancelled():
+            forward_cancel(key)
         return detokenize_response(self.tok, tensors)
 
     def execute(self, requests):
