@@ -1,6 +1,6 @@
 """One-row GEMV (freetoken_core/layers/triton_gemv.py) vs cuBLAS (F.linear) on a model's weight shapes.
 
-    python benchmarks/bench_gemv.py [--shape llama-3-8b]
+    python benchmarks/bench_gemv.py [--shape llama-3-8b] [--fused] [--no-sweep]
 
 Each timing cycles through copies of the weight totalling 512 MB, far past the L2, as a decode step
 does (timing one weight again and again measures the L2, not HBM). Prints cuBLAS, the kernel's
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import triton
 
 from bench_decode import SHAPES, copy_bandwidth
-from freetoken_core.layers.triton_gemv import default_config, gemv, gemv_reference
+from freetoken_core.layers import triton_ops
+from freetoken_core.layers.triton_gemv import default_config, gemv, gemv_reference, norm_gemv, norm_gemv_reference
 
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))]
@@ -43,6 +44,18 @@ def graph_time_us(fn, reps: int) -> float:
     return (time.perf_counter() - t0) / (10 * reps) * 1e6
 
 
+def sweep_best(call, configs: list[dict], reps: int, best: float, best_cfg: dict) -> tuple[float, dict]:
+    """The fastest of `call(i, **config)` over configs, starting from (best, best_cfg)."""
+    for c in configs:
+        try:
+            t = graph_time_us(lambda i, c=c: call(i, **c), reps)
+        except triton.runtime.errors.OutOfResources:  # tile too large for shared memory
+            continue
+        if t < best:
+            best, best_cfg = t, c
+    return best, best_cfg
+
+
 def weight_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -50,13 +63,64 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
     return {"qkv": ((nh + 2 * nkv) * hd, h), "o": (h, nh * hd), "gate_up": (2 * inter, h), "down": (h, inter)}
 
 
+FUSED_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                 for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3))]
+
+
+def bench_fused(shape: str, bw: float, sweep: bool) -> None:
+    """RMSNorm (+ residual add) [+ SiLU-and-mul] fused into the GEMV (`norm_gemv`) against the
+    separate kernels it replaces, on the projections that follow a norm (qkv, gate_up)."""
+    print("| weight | N x K | norm + gemv (+ silu) us | % bw | fused default us | % bw | best fused us | % bw | best config |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    shapes = weight_shapes(SHAPES[shape])
+    for name, gated in (("qkv", False), ("gate_up", True)):
+        n, k = shapes[name]
+        copies = max(2, COPIES_BYTES // (n * k * 2))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        got = norm_gemv(x, r, g, 1e-5, ws[0], None, gated)
+        want = norm_gemv_reference(x, r, g, 1e-5, ws[0], None, gated)
+        err = (got[0].float() - want[0].float()).abs().max().item()
+        assert err < 0.1 * want[0].float().abs().max().item(), f"{name}: max error {err}"
+        pct = lambda us: 100 * n * k * 2 / (us * 1e-6) / bw  # noqa: E731
+        reps = 2 * copies
+
+        def unfused(i):
+            h, _ = triton_ops.fused_add_rmsnorm(x, r, g, 1e-5)
+            y = gemv(h, ws[i % copies])
+            return triton_ops.silu_and_mul(y) if gated else y
+
+        t_unfused = graph_time_us(unfused, reps)
+        t_default = graph_time_us(lambda i: norm_gemv(x, r, g, 1e-5, ws[i % copies], None, gated), reps)
+        best, best_cfg = sweep_best(lambda i, **c: norm_gemv(x, r, g, 1e-5, ws[i % copies], None, gated, **c),
+                                    FUSED_CONFIGS if sweep else [], reps, t_default, {"default": ""})
+        cfg = "/".join(str(v) for v in best_cfg.values())
+        print(f"| {name} | {n} x {k} | {t_unfused:.1f} | {pct(t_unfused):.0f}% | {t_default:.1f} | {pct(t_default):.0f}% | "
+              f"{best:.1f} | {pct(best):.0f}% | {cfg} | (max error {err:.3g})", flush=True)
+        if gated:  # the other split: the norm kernel, then a GEMV with SiLU-and-mul fused
+            def norm_then_gated(i, **c):
+                h, _ = triton_ops.fused_add_rmsnorm(x, r, g, 1e-5)
+                return norm_gemv(h, None, None, 1e-5, ws[i % copies], None, True, **c)
+
+            t = graph_time_us(norm_then_gated, reps)
+            tb, cb = sweep_best(norm_then_gated, FUSED_CONFIGS if sweep else [], reps, t, {})
+            print(f"| {name}: norm kernel + gemv with silu | | | | {t:.1f} | {pct(t):.0f}% | {tb:.1f} | {pct(tb):.0f}% | "
+                  f"{'/'.join(str(v) for v in cb.values())} |", flush=True)
+        del ws
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the default configuration")
+    ap.add_argument("--fused", action="store_true", help="norm_gemv (RMSNorm fused in) against the separate kernels")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"# {torch.cuda.get_device_name()}, copy bw {bw / 1e12:.2f} TB/s, {args.shape}, one row, bf16")
+    if args.fused:
+        return bench_fused(args.shape, bw, not args.no_sweep)
     print("| weight | N x K | cuBLAS us | % bw | gemv default us | % bw | best of sweep us | % bw | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in weight_shapes(SHAPES[args.shape]).items():
@@ -68,14 +132,8 @@ def main() -> None:
         reps = 2 * copies
         t_cublas = graph_time_us(lambda i: F.linear(x, ws[i % copies]), reps)
         t_default = graph_time_us(lambda i: gemv(x, ws[i % copies]), reps)
-        best, best_cfg = t_default, default_config(k)
-        for c in [] if args.no_sweep else CONFIGS:
-            try:
-                t = graph_time_us(lambda i, c=c: gemv(x, ws[i % copies], **c), reps)
-            except triton.runtime.errors.OutOfResources:  # tile too large for shared memory
-                continue
-            if t < best:
-                best, best_cfg = t, c
+        best, best_cfg = sweep_best(lambda i, **c: gemv(x, ws[i % copies], **c), [] if args.no_sweep else CONFIGS,
+                                    reps, t_default, default_config(k))
         cfg = "/".join(str(v) for v in best_cfg.values())
         print(f"| {name} | {n} x {k} | {t_cublas:.1f} | {pct(t_cublas):.0f}% | {t_default:.1f} | {pct(t_default):.0f}% | "
               f"{best:.1f} | {pct(best):.0f}% | {cfg} |", flush=True)

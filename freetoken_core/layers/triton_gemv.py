@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from ..pdl import pdl_launch
+
 if not torch.cuda.is_available():  # kernels then run only under the interpreter (CPU tests)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -30,13 +32,32 @@ MIN_WEIGHT_ELEMENTS = 1 << 24
 
 
 @triton.jit
+def _first_tile_then_wait(x_ptr, w_ptr, offs_n, n_ok, K, stride_wn, BLOCK_K: tl.constexpr):
+    """PDL prologue: load the first weight tile (weights never depend on the previous kernel), wait
+    for the previous kernel, let the next one start, and return the first tile's products."""
+    offs_k = tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
+    return w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if USE_PDL:
+        acc = _first_tile_then_wait(x_ptr, w_ptr, offs_n, n_ok, K, stride_wn, BLOCK_K)
+        k_start = BLOCK_K
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        k_start = 0
+    for k0 in range(k_start, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0)
@@ -50,6 +71,87 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + offs_k, mask=k_ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)  # torch's x + residual
+        # a masked store, not an `if`: a branch in the loop body stops Triton pipelining the loads
+        tl.store(h_ptr + offs_k, x, mask=k_ok & (offs_k * 0 + pid == 0))
+    xg = x.to(tl.float32)
+    if NORM:
+        ss += xg * xg
+        xg = xg * tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * xg[None, :]
+    if GATED:
+        acc_up += wu.to(tl.float32) * xg[None, :]
+    return acc, acc_up, ss
+
+
+@triton.jit
+def _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = n_ok[:, None]
+    else:
+        mask = n_ok[:, None] & (offs_k < K)[None, :]
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, stride_wn, up_offset, eps,
+                      NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # y = W (RMSNorm(x + r) * g) in one pass: every program reads the whole (small, L2-resident) input
+    # row anyway, so it also sums its squares and scales its dot products by rstd at the end. Program
+    # 0 writes h = x + r (the next residual) to a separate buffer, as the others are still reading r.
+    # GATED: W is [gate | up] (up rows start at up_offset) and y = silu(gate) * up.
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    k_start = 0
+    if USE_PDL:  # see triton_gemv._first_tile_then_wait
+        w = _w_tile(w_ptr, offs_n, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
+        wu = w
+        if GATED:
+            wu = _w_tile(w_ptr, offs_n + up_offset, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc, acc_up, ss = _norm_gemv_tile(0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
+                                          NORM, HAS_RESIDUAL, GATED, BLOCK_K)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        w = _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
+        wu = w
+        if GATED:
+            wu = _w_tile(w_ptr, offs_n + up_offset, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
+        acc, acc_up, ss = _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
+                                          NORM, HAS_RESIDUAL, GATED, BLOCK_K)
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
+    else:
+        rstd = 1.0
+    y = tl.sum(acc, axis=1) * rstd
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    if GATED:
+        up = tl.sum(acc_up, axis=1) * rstd
+        if HAS_BIAS:
+            up += tl.load(b_ptr + up_offset + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        # the rounding points of the unfused path: gate and up in the model dtype, then silu(gate)
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -82,9 +184,53 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
     )
     return y
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+              weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+              block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: (W RMSNorm(h) [+ b], h) with h = x + residual (x when residual is None), in one launch
+    instead of an RMSNorm and a GEMV. gated: W is [gate | up] (2I rows) and the first output is
+    silu(gate) * up, [1, I], replacing the SiLU-and-mul kernel as well. norm_weight None: no norm
+    (a plain GEMV, with the residual add and gating still fused)."""
+    k = x.shape[1]
+    assert x.shape[0] == 1, f"norm_gemv takes one row, got {x.shape[0]}"
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    assert norm_weight is None or norm_weight.shape == (k,)
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    # bench_gemv.py --fused on the H200: 16/512/4 warps/2 stages was best for the 8B QKV (and gate_up)
+    cfg = dict(block_n=16, block_k=512 if k >= 4096 else 256, num_warps=4, num_stages=2)
+    block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1
+        h = torch.empty_like(x)
+    else:
+        h = x
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+        bias if bias is not None else weight, y, h, n, k, weight.stride(0), n, float(eps),
+        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
+    )
+    return y, h
+
+
+def norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused path: (fused-add) RMSNorm, the linear layer, SiLU-and-mul when gated."""
+    from .activation import silu_and_mul_torch
+    from .norm import rms_norm_torch
+
+    h = x if residual is None else x + residual
+    y = gemv_reference(h if norm_weight is None else rms_norm_torch(h, norm_weight, eps), weight, bias)
+    return (silu_and_mul_torch(y) if gated else y), h
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,6 +29,8 @@ if not torch.cuda.is_available():  # kernels then run only under the interpreter
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from ..pdl import pdl_launch  # noqa: E402
+
 from .activation import silu_and_mul_torch  # noqa: E402
 from .norm import rms_norm_torch  # noqa: E402
 from .rotary import apply_rotary  # noqa: E402
@@ -58,8 +60,11 @@ _COMPILE = dict(enable_fp_fusion=False)
 def _rmsnorm_kernel(
     X, R, W, Out, ResOut,
     inner, stride_x0, stride_x1, stride_r0, stride_r1, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Rows of a [R0, R1, N] view (R1 = 1 for 2-D inputs): a [T, H, D] slice of a fused projection
     # (Qwen3's q/k norm) is normed in place of a copy.
     row = tl.program_id(0).to(tl.int64)
@@ -111,6 +116,7 @@ def _launch_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         xv, rv, weight, out, res_out if res_out is not None else out,
         inner, sx0, sx1, sr0, sr1, float(eps),
         N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block), **_COMPILE,
+        **pdl_launch(x),
     )
     return out, res_out
 
@@ -142,7 +148,10 @@ def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight:
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -164,7 +173,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out, x2.stride(0), inter, BLOCK=block, num_warps=_num_warps(block), **_COMPILE,
+        x2, out, x2.stride(0), inter, BLOCK=block, num_warps=_num_warps(block), **_COMPILE, **pdl_launch(x2),
     )
     return out
 
@@ -208,8 +217,11 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     num_q_heads, num_k_heads, num_q_blocks,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(Pos + t).to(tl.int64)
@@ -258,7 +270,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         num_q_heads, num_k_heads, num_q_blocks,
         D=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        num_warps=_num_warps(block_h * 2 * block_half), **_COMPILE,
+        num_warps=_num_warps(block_h * 2 * block_half), **_COMPILE, **pdl_launch(q),
     )
     return q_out, k_out
 

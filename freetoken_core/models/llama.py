@@ -19,6 +19,7 @@ from ..layers import (
     Linear, MergedLinear, ParallelLMHead, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, rope_parameters,
     silu_and_mul,
 )
+from ..layers.norm_linear import norm_linear
 
 
 def head_dim_of(config: Any) -> int:
@@ -41,8 +42,13 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # shared by all layers (registered once, on the model)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The rest of the block after the fused QKV projection (the decoder layer runs that one
+        together with its RMSNorm)."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -79,13 +85,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        # each norm runs fused with the projection after it (one launch at batch-1 decode on CUDA)
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn.attend(positions, qkv)
+        act, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual, gated=True)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

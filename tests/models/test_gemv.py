@@ -75,3 +75,83 @@ def test_linear_uses_gemv_in_a_cuda_graph():
     g.replay()
     torch.testing.assert_close(static_y, lin(x * 2))
     torch.testing.assert_close(eager, gemv_reference(x, lin.weight), atol=1e-2, rtol=1e-2)
+
+
+# --- RMSNorm (+ residual add) fused into the GEMV, optionally with SiLU-and-mul ------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("k", [200, 256])
+def test_norm_gemv_matches_reference(dtype, residual, gated, norm, k):
+    n = 72  # output rows (per half when gated): not a multiple of block_n
+    x = _randn(1, k, dtype=dtype, seed=1)
+    r = _randn(1, k, dtype=dtype, seed=6) if residual else None
+    g = 1 + 0.1 * _randn(k, dtype=dtype, seed=7) if norm else None
+    w = _randn(2 * n if gated else n, k, dtype=dtype, seed=2) * 0.1
+    b = _randn(w.shape[0], dtype=dtype, seed=3)
+    got, h = triton_gemv.norm_gemv(x, r, g, 1e-5, w, b, gated, block_n=16, block_k=64, num_warps=4, num_stages=2)
+    want, want_h = triton_gemv.norm_gemv_reference(x, r, g, 1e-5, w, b, gated)
+    assert got.shape == (1, n)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)  # the new residual is exact
+    if not residual:
+        assert h is x
+
+
+def test_norm_linear_cpu_path_is_the_unfused_sequence():
+    from freetoken_core.layers import MergedLinear, RMSNorm, silu_and_mul
+    from freetoken_core.layers.norm_linear import norm_linear
+
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data.normal_(1, 0.1)
+    lin = MergedLinear(64, [48, 48])
+    lin.weight.data.normal_(0, 0.1)
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    y, h = norm_linear(norm, lin, x, r, gated=True)
+    normed, want_h = norm(x, r)
+    torch.testing.assert_close(y, silu_and_mul(lin(normed)))
+    torch.testing.assert_close(h, want_h)
+    y0, h0 = norm_linear(norm, lin, x, None)
+    assert h0 is x
+    torch.testing.assert_close(y0, lin(norm(x)))
+    with pytest.raises(ValueError, match="gate | up"):
+        norm_linear(norm, Linear(64, 96), x, r, gated=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n,k,gated", [(6144, 4096, False), (14336, 4096, True)])
+def test_norm_gemv_bf16_8b_shapes(n, k, gated):
+    x = _randn(1, k, dtype=torch.bfloat16, seed=4)
+    r = _randn(1, k, dtype=torch.bfloat16, seed=8)
+    g = 1 + 0.1 * _randn(k, dtype=torch.bfloat16, seed=9)
+    w = _randn(2 * n if gated else n, k, dtype=torch.bfloat16, seed=5) * 0.02
+    got, h = triton_gemv.norm_gemv(x, r, g, 1e-5, w, None, gated)
+    want, want_h = triton_gemv.norm_gemv_reference(x, r, g, 1e-5, w, None, gated)
+    # the unfused path rounds the normed row to bf16 twice before the GEMV; the fused one does not
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+
+
+@needs_cuda
+def test_norm_linear_fused_in_a_cuda_graph():
+    from freetoken_core.layers import MergedLinear, RMSNorm
+    from freetoken_core.layers.norm_linear import norm_linear
+
+    norm = RMSNorm(4096, 1e-5, torch.bfloat16).cuda()
+    lin = MergedLinear(4096, [14336, 14336], dtype=torch.bfloat16).cuda()
+    lin.weight.data.normal_(0, 0.02)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    static_x, static_r = x.clone(), r.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y, static_h = norm_linear(norm, lin, static_x, static_r, gated=True)
+    static_x.copy_(x * 2)
+    g.replay()
+    want, want_h = triton_gemv.norm_gemv_reference(x * 2, r, norm.weight, 1e-5, lin.weight, None, True)
+    torch.testing.assert_close(static_y, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(static_h, want_h, atol=0, rtol=0)

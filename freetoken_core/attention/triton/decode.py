@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...pdl import pdl_launch
+
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it gains
 MAX_SPLITS = 32
@@ -67,8 +69,11 @@ def _decode_split_kernel(
     stride_plt, stride_plh,
     ROWS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,8 +127,11 @@ def _decode_merge_kernel(
     stride_pot, stride_poh, stride_pos,
     stride_plt, stride_plh,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -216,7 +224,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_launch(q),
     )
     if not direct:
         _decode_merge_kernel[(num_rows, num_heads)](
@@ -224,6 +232,6 @@ def decode_attention(
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
+            num_warps=4, **pdl_launch(q),
         )
     return out

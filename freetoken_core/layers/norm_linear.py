@@ -1,0 +1,42 @@
+"""A decoder layer's pre-norm projection: RMSNorm (with the residual add), a linear layer, and for the
+gated MLP SiLU-and-mul, as one call.
+
+On one CUDA row of a large half-precision weight (batch-1 decode) this is one Triton launch
+(`triton_gemv.norm_gemv`) instead of two or three: the GEMV programs read the whole input row
+anyway, so they norm it on the fly. Everywhere else it is exactly the unfused sequence.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .activation import silu_and_mul
+from .linear import Linear, MergedLinear
+from .norm import RMSNorm
+
+FUSED = os.environ.get("FREETOKEN_NORM_GEMV", "1") != "0"  # 0: separate norm / GEMV / SiLU kernels (A/B)
+
+
+def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (linear(norm(x + residual)), x + residual); x itself is the residual when residual is None.
+    gated: `linear` is a [gate | up] MergedLinear and the output is silu(gate) * up."""
+    if gated and not (isinstance(linear, MergedLinear) and len(linear.out_sizes) == 2
+                      and linear.out_sizes[0] == linear.out_sizes[1]):
+        raise ValueError("gated norm_linear needs a [gate | up] MergedLinear of two equal halves")
+    if FUSED and x.is_cuda:
+        from . import triton_gemv  # imported on first CUDA use: CPU users never load Triton
+
+        # not for the gated MLP: there the fused kernel measured slower than the three it would
+        # replace (benchmarks/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)
+        if (not gated and triton_gemv.use_gemv(x, linear.weight) and norm.weight.dtype == x.dtype
+                and (residual is None or residual.stride(-1) == 1)):
+            return triton_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated)
+    if residual is None:
+        residual, h = x, norm(x)
+    else:
+        h, residual = norm(x, residual)
+    y = linear(h)
+    return (silu_and_mul(y) if gated else y), residual

@@ -1,0 +1,40 @@
+"""Programmatic dependent launch (PDL) for the decode-path Triton kernels (Hopper and newer).
+
+A batch-1 decode step is ~270 kernels back to back, and each one pays its launch and ramp-up:
+its thread blocks start only after the previous kernel has finished. Launched with PDL, a kernel's
+blocks may start as soon as every block of the previous kernel has started (they call
+`gdc_launch_dependents`), and wait in `gdc_wait` until that kernel has finished and its writes are
+visible. Before that wait a kernel may only read what no earlier kernel writes: the GEMVs start
+streaming their weights there. Graph capture keeps these edges (CUDA >= 12.3).
+
+Every kernel that takes `USE_PDL` waits before reading or writing activations, so mixing it with
+kernels launched the ordinary way (cuBLAS, torch) is safe: those keep full stream order.
+`FREETOKEN_PDL=0` launches everything the ordinary way (A/B, debugging).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = os.environ.get("FREETOKEN_PDL", "1") != "0"
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels working on `t` launch with PDL (pass as the USE_PDL constexpr)."""
+    return ENABLED and t.is_cuda and _device_supports(t.device.index or 0)
+
+
+def pdl_launch(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel taking USE_PDL: `kernel[grid](..., **pdl_launch(x))`."""
+    on = use_pdl(t)
+    return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}
