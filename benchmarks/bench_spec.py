@@ -7,7 +7,9 @@ prompt) and "open" (free-form text: few drafts, so this row shows the cost of th
 path when it has little to do). Reports decode tok/s with speculation off and on, the mean
 acceptance length (tokens committed per verify step) and the speed-up. Greedy outputs are checked
 compared: the length of the identical prefix is printed (in fp32 it is the whole output; in bf16 the
-(k+1)-row verify matmuls may round differently from 1-row decode, so a near-tie could flip).
+(k+1)-row verify matmuls may round differently from 1-row decode, so a near-tie could flip; on CUDA
+plain decoding sends one-row projections to the Triton GEMV and speculation does not, so in bf16
+they part after a while: see `layers.linear.use_gemv_for_all_sizes`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# One-row CUDA inputs of weights at least this large go to the Triton GEMV (layers/triton_gemv.py);
+# smaller ones stay on cuBLAS unless the engine lowers the bar (`use_gemv_for_all_sizes`).
+GEMV_MIN_ELEMENTS = 1 << 24
+
+
 def cpu_packing_available() -> bool:
     """oneDNN weight prepacking (x86 CPU builds of torch)."""
     return (
@@ -52,6 +57,7 @@ class Linear(nn.Module):
         self.weight = _param((out_features, in_features), dtype)
         self.bias = _param((out_features,), dtype) if bias else None
         self.packed: torch.Tensor | None = None  # CPU: oneDNN-prepacked weight (pack_for_cpu)
+        self.gemv_min_elements = GEMV_MIN_ELEMENTS  # see use_gemv_for_all_sizes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu":
@@ -59,7 +65,7 @@ class Linear(nn.Module):
         if x.is_cuda:
             from . import triton_gemv  # imported on first CUDA use: CPU users never load Triton
 
-            if triton_gemv.use_gemv(x, self.weight):  # batch-1 decode: beats cuBLAS there
+            if triton_gemv.use_gemv(x, self.weight, self.gemv_min_elements):  # batch-1 decode: beats cuBLAS
                 return triton_gemv.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -110,3 +116,22 @@ class MergedLinear(Linear):
     def shard_rows(self, shard: str | int) -> tuple[int, int]:
         i = int(shard)
         return sum(self.out_sizes[:i]), self.out_sizes[i]
+
+
+def use_gemv_for_all_sizes(model: nn.Module) -> int:
+    """Send one-row inputs of every half-precision weight to the Triton GEMV, however small.
+
+    On their own, small GEMVs are no faster than cuBLAS's. But the Triton kernels of a decode step
+    chain through programmatic dependent launch (freetoken_core/pdl.py), and each cuBLAS call
+    breaks that chain. With every projection in the chain, the real SmolLM2-135M decodes at batch 1
+    in 0.68 ms per step instead of 0.86 ms on the H200 (benchmarks/RESULTS.md).
+
+    The engine skips this under speculative decoding. Its verify steps score k + 1 rows with cuBLAS,
+    and in bf16 one-row steps through the GEMV then round differently. Speculation there was also
+    measured slower. Returns the number of layers changed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.gemv_min_elements = 0
+            n += 1
+    return n

@@ -31,8 +31,8 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.
 
         # not for the gated MLP: there the fused kernel measured slower than the three it would
         # replace (benchmarks/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)
-        if (not gated and triton_gemv.use_gemv(x, linear.weight) and norm.weight.dtype == x.dtype
-                and (residual is None or residual.stride(-1) == 1)):
+        if (not gated and triton_gemv.use_gemv(x, linear.weight, linear.gemv_min_elements)
+                and norm.weight.dtype == x.dtype and (residual is None or residual.stride(-1) == 1)):
             return triton_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated)
     if residual is None:
         residual, h = x, norm(x)

@@ -27,8 +27,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 ENABLED = os.environ.get("FREETOKEN_GEMV", "1") != "0"  # 0: cuBLAS everywhere (A/B, debugging)
-# Below 32 MB of weight the difference is lost in launch latency (1B-model layers measured slower).
-MIN_WEIGHT_ELEMENTS = 1 << 24
+# The size rule itself lives with `Linear` (linear.GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
 
 
 @triton.jit
@@ -161,13 +160,13 @@ def default_config(k: int) -> dict[str, int]:
     return dict(block_n=16, block_k=1024 if k >= 4096 else 256, num_warps=8, num_stages=2)
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Dispatch rule of `Linear`: one CUDA row, half precision, a weight large enough to be
-    bandwidth-bound, and the row-contiguous layouts the kernel assumes."""
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> bool:
+    """Dispatch rule of `Linear`: one CUDA row, half precision, a weight of at least `min_elements`
+    (the layer's `gemv_min_elements`), and the row-contiguous layouts the kernel assumes."""
     return (
         ENABLED and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-        and weight.numel() >= MIN_WEIGHT_ELEMENTS and weight.stride(1) == 1 and x.stride(1) == 1
+        and weight.numel() >= min_elements and weight.stride(1) == 1 and x.stride(1) == 1
     )
 
 

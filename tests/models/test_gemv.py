@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken_core.layers import triton_gemv
-from freetoken_core.layers.linear import Linear
+from freetoken_core.layers.linear import GEMV_MIN_ELEMENTS, Linear, use_gemv_for_all_sizes
 from freetoken_core.layers.triton_gemv import gemv, gemv_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,15 +41,27 @@ def test_gemv_takes_one_row_only():
 
 
 def test_dispatch_rule():
+    big = GEMV_MIN_ELEMENTS
     w = torch.empty(4096, 4096, dtype=torch.bfloat16)
     one = torch.empty(1, 4096, dtype=torch.bfloat16)
-    assert not triton_gemv.use_gemv(one, w)  # CPU tensors stay on torch
+    assert not triton_gemv.use_gemv(one, w, big)  # CPU tensors stay on torch
     if torch.cuda.is_available():
-        assert triton_gemv.use_gemv(one.cuda(), w.cuda())
-        assert not triton_gemv.use_gemv(torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda"), w.cuda())
-        assert not triton_gemv.use_gemv(one.cuda().float(), w.cuda().float())
+        assert triton_gemv.use_gemv(one.cuda(), w.cuda(), big)
+        assert not triton_gemv.use_gemv(torch.empty(2, 4096, dtype=torch.bfloat16, device="cuda"), w.cuda(), big)
+        assert not triton_gemv.use_gemv(one.cuda().float(), w.cuda().float(), big)
         small = torch.empty(576, 576, dtype=torch.bfloat16, device="cuda")
-        assert not triton_gemv.use_gemv(torch.empty(1, 576, dtype=torch.bfloat16, device="cuda"), small)
+        one_small = torch.empty(1, 576, dtype=torch.bfloat16, device="cuda")
+        assert not triton_gemv.use_gemv(one_small, small, big)
+        assert triton_gemv.use_gemv(one_small, small, 0)
+
+
+def test_use_gemv_for_all_sizes_lowers_every_linear_layer():
+    from freetoken_core.layers import MergedLinear, QKVLinear
+
+    model = torch.nn.Sequential(Linear(8, 8), QKVLinear(8, 2, 1, 4), MergedLinear(8, [4, 4]), torch.nn.LayerNorm(8))
+    assert all(m.gemv_min_elements == GEMV_MIN_ELEMENTS for m in model[:3])
+    assert use_gemv_for_all_sizes(model) == 3
+    assert all(m.gemv_min_elements == 0 for m in model[:3])
 
 
 @needs_cuda
@@ -65,7 +77,7 @@ def test_linear_uses_gemv_in_a_cuda_graph():
     lin = Linear(4096, 4096, dtype=torch.bfloat16).cuda()
     lin.weight.data.normal_(0, 0.02)
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert triton_gemv.use_gemv(x, lin.weight)
+    assert triton_gemv.use_gemv(x, lin.weight, lin.gemv_min_elements)
     eager = lin(x)
     g = torch.cuda.CUDAGraph()
     static_x = x.clone()
