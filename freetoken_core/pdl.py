@@ -24,14 +24,23 @@ ENABLED = os.environ.get("FREETOKEN_PDL", "1") != "0"
 
 @functools.cache
 def _device_supports(index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.get_device_capability(index)[0] < 9:
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    try:  # gdc_wait / launch_pdl arrived in Triton 3.3; older installs launch the ordinary way
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def device_uses_pdl(device: torch.device) -> bool:
+    """Whether the decode kernels on `device` launch with PDL."""
+    return ENABLED and device.type == "cuda" and _device_supports(device.index or 0)
 
 
 def use_pdl(t: torch.Tensor) -> bool:
     """Whether kernels working on `t` launch with PDL (pass as the USE_PDL constexpr)."""
-    return ENABLED and t.is_cuda and _device_supports(t.device.index or 0)
+    return device_uses_pdl(t.device)
 
 
 def pdl_launch(t: torch.Tensor) -> dict:

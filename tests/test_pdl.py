@@ -12,6 +12,7 @@ def test_pdl_is_off_for_cpu_tensors():
     x = torch.zeros(4)
     assert not pdl.use_pdl(x)
     assert pdl.pdl_launch(x) == {"USE_PDL": False}  # no launch_pdl keyword: plain launches
+    assert not pdl.device_uses_pdl(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
