@@ -7,9 +7,14 @@ O 64%, down 90% of the copy bandwidth, plus a split-K reduce kernel for O and do
 gives each program BLOCK_N output rows of W and the whole K, multiplies in fp32 registers and
 reduces once at the end: QKV 84%, O 74%, down 96% there (gate_up is at ~99% either way).
 
-Only one-row inputs of large half-precision weights go here (`use_gemv`); everything else stays
-on cuBLAS, where the tensor-core tiles of a [16, K] x [K, N] product are as good or better.
-`gemv_reference` is the plain-torch reference (fp32 accumulation).
+Only one-row half-precision inputs go here (`use_gemv`). By default the weight must also be large
+(linear.GEMV_MIN_ELEMENTS); where programmatic dependent launch chains the kernels
+(freetoken_core/pdl.py), the engine sends small weights here too. Everything else stays on cuBLAS,
+where the tensor-core tiles of a [16, K] x [K, N] product are as good or better.
+
+`norm_gemv` also computes the RMSNorm (and residual add) of its input row, replacing a launch per
+layer. `gemv_reference` and `norm_gemv_reference` are the plain-torch references (fp32
+accumulation).
 """
 
 from __future__ import annotations
