@@ -7,7 +7,8 @@ blocks may start as soon as every block of the previous kernel has started (they
 visible. Before that wait a kernel may only read what no earlier kernel writes: the GEMVs start
 streaming their weights there. Graph capture keeps these edges (CUDA >= 12.3).
 
-Every kernel that takes `USE_PDL` waits before reading or writing activations, so mixing it with
+Every kernel that takes `USE_PDL` waits (`pdl_triton.pdl_wait_then_release`) before reading or
+writing activations, so mixing it with
 kernels launched the ordinary way (cuBLAS, torch) is safe: those keep full stream order.
 `FREETOKEN_PDL=0` launches everything the ordinary way (A/B, debugging).
 """

@@ -31,21 +31,30 @@ if not torch.cuda.is_available():  # kernels then run only under the interpreter
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from ..pdl_triton import pdl_wait_then_release  # noqa: E402
+
 ENABLED = os.environ.get("FREETOKEN_GEMV", "1") != "0"  # 0: cuBLAS everywhere (A/B, debugging)
 # The size rule itself lives with `Linear` (linear.GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
 
 
 @triton.jit
-def _first_tile_then_wait(x_ptr, w_ptr, offs_n, n_ok, K, stride_wn, BLOCK_K: tl.constexpr):
-    """PDL prologue: load the first weight tile (weights never depend on the previous kernel), wait
-    for the previous kernel, let the next one start, and return the first tile's products."""
-    offs_k = tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
-    return w.to(tl.float32) * x.to(tl.float32)[None, :]
+def _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        mask = n_ok[:, None]
+    else:
+        mask = n_ok[:, None] & (offs_k < K)[None, :]
+    return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _x_tile(x_ptr, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        x = tl.load(x_ptr + offs_k)
+    else:
+        x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+    return x
 
 
 @triton.jit
@@ -55,23 +64,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if USE_PDL:
-        acc = _first_tile_then_wait(x_ptr, w_ptr, offs_n, n_ok, K, stride_wn, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = 0
+    if USE_PDL:  # the first weight tile loads before the wait: no earlier kernel writes weights
+        w = _w_tile(w_ptr, offs_n, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
+        pdl_wait_then_release()
+        acc += w.to(tl.float32) * _x_tile(x_ptr, 0, K, BLOCK_K, EVEN_K).to(tl.float32)[None, :]
         k_start = BLOCK_K
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        k_start = 0
     for k0 in range(k_start, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None], other=0.0)
-            x = tl.load(x_ptr + offs_k)
-        else:
-            k_ok = offs_k < K
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w = _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
+        acc += w.to(tl.float32) * _x_tile(x_ptr, k0, K, BLOCK_K, EVEN_K).to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -100,16 +102,6 @@ def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid,
 
 
 @triton.jit
-def _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        mask = n_ok[:, None]
-    else:
-        mask = n_ok[:, None] & (offs_k < K)[None, :]
-    return tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
 def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, stride_wn, up_offset, eps,
                       NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -124,13 +116,12 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, str
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k_start = 0
-    if USE_PDL:  # see triton_gemv._first_tile_then_wait
+    if USE_PDL:  # as in _gemv_kernel: the first weight tile(s) load before the wait
         w = _w_tile(w_ptr, offs_n, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
         wu = w
         if GATED:
             wu = _w_tile(w_ptr, offs_n + up_offset, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait_then_release()
         acc, acc_up, ss = _norm_gemv_tile(0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
                                           NORM, HAS_RESIDUAL, GATED, BLOCK_K)
         k_start = BLOCK_K

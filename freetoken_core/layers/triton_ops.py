@@ -30,6 +30,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from ..pdl import pdl_launch  # noqa: E402
+from ..pdl_triton import pdl_wait_then_release  # noqa: E402
 
 from .activation import silu_and_mul_torch  # noqa: E402
 from .norm import rms_norm_torch  # noqa: E402
@@ -62,9 +63,8 @@ def _rmsnorm_kernel(
     inner, stride_x0, stride_x1, stride_r0, stride_r1, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # freetoken_core/pdl.py
+        pdl_wait_then_release()
     # Rows of a [R0, R1, N] view (R1 = 1 for 2-D inputs): a [T, H, D] slice of a fused projection
     # (Qwen3's q/k norm) is normed in place of a copy.
     row = tl.program_id(0).to(tl.int64)
@@ -149,9 +149,8 @@ def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight:
 
 @triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # freetoken_core/pdl.py
+        pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -219,9 +218,8 @@ def _rotary_kernel(
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # freetoken_core/pdl.py
+        pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(Pos + t).to(tl.int64)

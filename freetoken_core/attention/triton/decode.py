@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ...pdl import pdl_launch
+from ...pdl_triton import pdl_wait_then_release
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it gains
@@ -71,9 +72,8 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # freetoken_core/pdl.py
+        pdl_wait_then_release()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -129,9 +129,8 @@ def _decode_merge_kernel(
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # freetoken_core/pdl.py
+        pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)

@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from ...pdl import pdl_launch
+from ...pdl_triton import pdl_wait_then_release
 
 
 @triton.jit
@@ -19,9 +20,8 @@ def _store_kv_kernel(
     stride_kt, stride_vt, stride_kcs, stride_vcs,
     ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py: wait for the previous kernel, then let the next one start
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # freetoken_core/pdl.py
+        pdl_wait_then_release()
     t = tl.program_id(0)
     slot = tl.load(OutLoc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
