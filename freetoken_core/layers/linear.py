@@ -127,9 +127,9 @@ def use_gemv_for_all_sizes(model: nn.Module) -> int:
     in 0.68 ms per step instead of 0.86 ms on the H200 (benchmarks/RESULTS.md).
 
     Without PDL (before Hopper, or FREETOKEN_PDL=0) small GEMVs measured no faster, so the engine
-    calls this only where PDL is in use. It also skips it under speculative decoding. Its verify steps score k + 1 rows with cuBLAS,
-    and in bf16 one-row steps through the GEMV then round differently. Speculation there was also
-    measured slower. Returns the number of layers changed."""
+    calls this only where PDL is in use. It also skips it under speculative decoding: verify steps
+    score k + 1 rows with cuBLAS, and in bf16 one-row steps through the GEMV then round
+    differently; speculation was also measured slower there. Returns the number of layers changed."""
     n = 0
     for m in model.modules():
         if isinstance(m, Linear):
