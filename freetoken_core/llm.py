@@ -143,7 +143,7 @@ class LLM:
             for uid in list(index):
                 if uid in sched._by_uid:
                     sched.abort(uid)
-            while sched._outbox or sched._pending is not None:
+            while sched._outbox or sched.in_flight:
                 sched.step()
 
     @staticmethod

@@ -19,6 +19,7 @@ class BackendInfo:
     supports_page_size_gt1: bool = True
     supports_cuda_graph: bool = False
     uniform_extend_graph: bool = False  # can capture decode/verify graphs with rows_per_req > 1
+    lengths_on_device: bool = False  # implements set_lengths_on_device (pipelined speculation)
 
 
 @dataclass
@@ -59,3 +60,10 @@ class AttnBackend(ABC):
 
     def prepare_for_replay(self, batch: Batch) -> None:
         raise NotImplementedError
+
+    def set_lengths_on_device(self, batch: Batch, seq_lens: torch.Tensor, table_rows: torch.Tensor) -> None:
+        """Inside a captured graph: write the per-request key lengths and page-table rows that
+        `prepare_for_replay` would copy from the host, computed by earlier ops of the same graph
+        (device-resident speculative steps, `spec/pipeline.py`). Backends that can say so in
+        `BackendInfo.lengths_on_device`; with the others speculation verifies synchronously."""
+        raise NotImplementedError(f"attention backend {self.info.name!r} cannot take lengths computed on the device")

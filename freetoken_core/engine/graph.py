@@ -119,11 +119,11 @@ class GraphRunner:
 
     def _run(self, batch: Batch, bs: int) -> None:
         out = self.forward(batch)
-        rows = bs * self.rows_per_req
+        n = out.shape[0]  # a row per query row (logits), or whatever the forward returns per batch
         if self._out_buf is None:  # sized by the first (largest) capture, whatever forward returns
-            self._out_buf = torch.empty((rows, *out.shape[1:]), dtype=self.out_dtype, device=out.device)
-        self._out_buf[:rows].copy_(out)
-        self.outputs[bs] = self._out_buf[:rows]
+            self._out_buf = torch.empty((n, *out.shape[1:]), dtype=self.out_dtype, device=out.device)
+        self._out_buf[:n].copy_(out)
+        self.outputs[bs] = self._out_buf[:n]
 
     # --- replay -----------------------------------------------------------------------------
     def can_run(self, batch: Batch) -> bool:
@@ -136,6 +136,12 @@ class GraphRunner:
 
     def padded_size(self, bs: int) -> int:
         return self.bs_list[bisect.bisect_left(self.bs_list, bs)]
+
+    def replay_as_captured(self, bs: int) -> torch.Tensor:
+        """Replay the graph of (captured) size bs on whatever its static buffers hold: for a forward
+        that computes its own inputs from device state (`spec/pipeline.py`)."""
+        self.graphs[bs].replay()
+        return self.outputs[bs]
 
     def replay(self, batch: Batch) -> torch.Tensor:
         """Run the captured graph for this batch; returns the forward's output for its real rows."""

@@ -133,8 +133,13 @@ class Scheduler:
         self._outbox.append(self._message(req, [], None))
         return True
 
+    @property
+    def in_flight(self) -> bool:
+        """A launched step (plain or pipelined speculative) whose tokens are not committed yet."""
+        return self._pending is not None or (self.spec is not None and self.spec.busy)
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._outbox or self._pending)
+        return bool(self.waiting or self.running or self._outbox or self.in_flight)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -191,6 +196,8 @@ class Scheduler:
 
     def _run_decode(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> None:
         if self.spec is not None:
+            if self.spec.run_pipelined(decoders, msgs):
+                return
             self._drain(msgs)  # drafts need the committed tokens; verify steps run synchronously
             decoders = self._decoders()
             drafts = self.spec.propose(decoders)
@@ -248,6 +255,8 @@ class Scheduler:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._resolve(pending, msgs)
+        if self.spec is not None:
+            self.spec.drain(msgs)
 
     def _resolve(self, pending: "_Pending", msgs: list[DetokenizeMsg]) -> None:
         out = pending.step.result()

@@ -7,6 +7,12 @@ accepted). Row j's logits are the target's prediction for the token after row j.
 the accepted drafts plus one target token. `Scheduler._commit_tokens` takes them in order and stops
 at the first that finishes the request; `Req.commit_pending` and `CacheManager.rollback_tail` keep
 exactly the K/V of the committed positions and the pages of the committed tokens.
+
+With overlap scheduling (CUDA), greedy requests run pipelined instead (`spec/pipeline.py`): drafting,
+acceptance and the next step's inputs stay on the device, step N+1 is launched before step N's
+tokens are read, and the host commits them one step behind. Each request then holds pages for two
+steps ahead; they are rolled back to its committed tokens when the pipeline stops (a request joins
+or leaves, a prefill runs, or a request needs the synchronous path).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from ..core import Req, to_device
 from ..messages import DetokenizeMsg
 from ..spec.ngram import NgramProposer
+from ..spec.pipeline import DevicePipeline, PipelineStep
 from ..spec.verify import verify
 from .decode import plan_decode
 
@@ -34,6 +41,11 @@ class SpecDecoder:
         self.rows = self.k + 1
         self.max_ngram, self.min_ngram = cfg.ngram_max, cfg.ngram_min
         self._proposers: dict[int, NgramProposer] = {}
+        self.pipeline: DevicePipeline | None = None
+        self._inflight: PipelineStep | None = None
+        if sched.overlap:
+            pipeline = DevicePipeline(sched.engine, self.k, self.min_ngram, self.max_ngram)
+            self.pipeline = pipeline if pipeline.usable else None
 
     # --- per-request drafter state ------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -41,6 +53,8 @@ class SpecDecoder:
 
     def remove(self, uid: int) -> None:
         self._proposers.pop(uid, None)
+        if self.pipeline is not None:
+            self.pipeline.forget(uid)
 
     def on_commit(self, req: Req, tokens: list[int]) -> None:
         prop = self._proposers.get(req.uid)
@@ -55,6 +69,86 @@ class SpecDecoder:
             prop = self._proposers.get(r.uid)
             out[r.uid] = prop.propose(max(0, min(left, self.k))) if prop is not None else []
         return out
+
+    # --- pipelined steps (greedy, device-resident) ---------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._inflight is not None
+
+    @staticmethod
+    def pipelinable(req: Req) -> bool:
+        p = req.sampling
+        return p.greedy and p.logprobs is None and req.num_output >= p.min_tokens
+
+    def run_pipelined(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> bool:
+        """Launch the next pipelined step for these decoders and commit the previous one. False
+        (with the pipeline drained) when they must verify synchronously."""
+        pl, sched = self.pipeline, self.sched
+        if pl is None or not decoders:
+            return False
+        if pl.members and pl.members != decoders:
+            self.drain(msgs)  # a request joined or left: settle every length, then start over
+            decoders = sched._decoders()
+        if sched._pending is not None:
+            sched._drain(msgs)  # a plain step is in flight: its token is an input of ours
+            decoders = sched._decoders()
+        if not decoders or not pl.can_run(decoders) or not all(self.pipelinable(r) for r in decoders):
+            self.drain(msgs)
+            return False
+        if not self._allocate(decoders):
+            self.drain(msgs)
+            return False
+        if not pl.members:
+            pl.start(decoders)
+        step = pl.launch()
+        prev, self._inflight = self._inflight, step
+        if prev is not None:
+            self._commit_step(prev, msgs)
+        return True
+
+    def _allocate(self, decoders: list[Req]) -> bool:
+        """Pages for what the next step may write: the step in flight commits up to k + 1 tokens
+        the host has not seen, and the new step writes k + 1 rows after them."""
+        cache = self.sched.cache
+        ahead = 2 * self.k + 1 if self._inflight is not None else self.k
+        need = {r.uid: min(r.seq_len + ahead, cache.max_seq_len) for r in decoders}
+        if sum(cache.pages_needed(r, need[r.uid]) for r in decoders) > cache.num_free_pages:
+            return False  # the synchronous path retracts requests when the pool runs dry
+        for r in decoders:
+            cache.allocate(r, need[r.uid])
+        return True
+
+    def _commit_step(self, step: PipelineStep, msgs: list[DetokenizeMsg]) -> None:
+        sched = self.sched
+        now = None
+        for req, row in zip(step.members, step.rows()):
+            if req.finished:  # finished or aborted while the step ran: its tokens are discarded
+                continue
+            accepted, proposed = row[0], row[1]
+            tokens = row[2 : 3 + accepted]
+            req.spec_proposed += proposed
+            req.spec_accepted += accepted
+            if req.first_token_time is None:
+                req.first_token_time = now = now or time.perf_counter()
+            taken = sched._commit_tokens(req, tokens)
+            if not req.finished:
+                req.cached_len = req.seq_len - 1
+                self.on_commit(req, tokens[:taken])
+            msgs.append(sched._message(req, tokens[:taken], None))
+
+    def drain(self, msgs: list[DetokenizeMsg]) -> None:
+        """Commit the step in flight and stop the pipeline: every member's pages go back to its
+        committed tokens, so the synchronous path and the prefill planner see settled state."""
+        pl = self.pipeline
+        if pl is None:
+            return
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._commit_step(step, msgs)
+        for req in pl.members:
+            if not req.finished:
+                self.sched.cache.rollback_tail(req, req.seq_len)
+        pl.stop()
 
     # --- the verify step ----------------------------------------------------------------------
     def run_verify(self, decoders: list[Req], drafts: dict[int, list[int]], msgs: list[DetokenizeMsg]) -> None:

@@ -90,12 +90,14 @@ CODE = '''def fibonacci(n):
 '''
 
 
-def test_ngram_speculation_on_real_model(smollm2_path, llm):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_ngram_speculation_on_real_model(smollm2_path, llm, pipelined):
+    """pipelined: overlap scheduling forced on CPU, so greedy verify steps run device-resident."""
     chat = [{"role": "user", "content": "Repeat the following code exactly, with no other text:\n" + CODE * 2}]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     base = llm.chat(chat, params)[0]
     spec_llm = LLM(smollm2_path, dtype="float32", page_size=16, max_running_req=4, speculative="ngram",
-                   num_speculative_tokens=4, kv_cache_gb=0.25)
+                   num_speculative_tokens=4, kv_cache_gb=0.25, overlap_schedule=pipelined or None)
     out = spec_llm.chat(chat, params)[0]
     assert out.token_ids == base.token_ids and out.text == base.text
     assert out.spec_accepted >= 0.25 * out.spec_proposed > 0  # copying code: many drafts are right

@@ -63,6 +63,7 @@ class TritonBackend(AttnBackend):
         supports_page_size_gt1=True,
         supports_cuda_graph=True,
         uniform_extend_graph=True,
+        lengths_on_device=True,
     )
 
     def __init__(self, layout: AttnLayout, kv_cache: KVCache, page_table: torch.Tensor) -> None:
@@ -149,8 +150,13 @@ class TritonBackend(AttnBackend):
 
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int], rows_per_req: int = 1) -> None:
         """Static buffers for decode (rows_per_req = 1) or verify graphs of every size in bs_list.
-        Call once per rows_per_req that will be captured."""
+        A second call for the same rows_per_req keeps the buffers when they are big enough: graphs
+        captured earlier read them, so they must not be replaced (several graph sets may share them;
+        they replay one at a time on one stream)."""
         max_bs = max(bs_list)
+        old = self._graphs.get(rows_per_req)
+        if old is not None and old.max_bs >= max_bs and old.max_seq_len == max_seq_len:
+            return
         max_splits = max(self._graph_splits(bs, max_seq_len) for bs in bs_list)
         part_out, part_lse = alloc_partials(
             max_bs * rows_per_req, self.layout.num_heads, max_splits, self.layout.head_dim, self.device
@@ -188,6 +194,11 @@ class TritonBackend(AttnBackend):
         gb.metadata[bs] = md
         self._fill_static(gb, batch, rows, bs)
         batch.attn_metadata = md
+
+    def set_lengths_on_device(self, batch: Batch, seq_lens: torch.Tensor, table_rows: torch.Tensor) -> None:
+        md: TritonAttnMetadata = batch.attn_metadata
+        md.seq_lens.copy_(seq_lens)
+        md.table_rows.copy_(table_rows)
 
     def prepare_for_replay(self, batch: Batch) -> None:
         gb, rows, bs = self._graph_state(batch)
