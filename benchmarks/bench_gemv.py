@@ -1,6 +1,9 @@
 """One-row GEMV (freetoken_core/layers/triton_gemv.py) vs cuBLAS (F.linear) on a model's weight shapes.
 
-    python benchmarks/bench_gemv.py [--shape llama-3-8b] [--fused] [--no-sweep]
+    python benchmarks/bench_gemv.py [--shape llama-3-8b] [--fused] [--rows M] [--no-sweep]
+
+--rows M times the multi-row kernel (`rows_gemm`, speculative verify steps: M = k + 1 rows) against
+cuBLAS instead, and prints the configuration with the least time summed over the layer's weights.
 
 Each timing cycles through copies of the weight totalling 512 MB, far past the L2, as a decode step
 does (timing one weight again and again measures the L2, not HBM). Prints cuBLAS, the kernel's
@@ -20,7 +23,9 @@ import triton
 
 from bench_decode import SHAPES, copy_bandwidth
 from freetoken_core.layers import triton_ops
-from freetoken_core.layers.triton_gemv import default_config, gemv, gemv_reference, norm_gemv, norm_gemv_reference
+from freetoken_core.layers.triton_gemv import (
+    ROWS_GEMM_CONFIG, default_config, gemv, gemv_reference, norm_gemv, norm_gemv_reference, rows_gemm,
+)
 
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))]
@@ -111,16 +116,54 @@ def bench_fused(shape: str, bw: float, sweep: bool) -> None:
         del ws
 
 
+ROWS_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                for bn, bk, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (2, 3))]
+
+
+def bench_rows(shape: str, m: int, bw: float, sweep: bool) -> None:
+    print(f"| weight | N x K | cuBLAS us | % bw | rows_gemm default us | % bw | best us | best config |  ({m} rows)")
+    print("|---|---|---|---|---|---|---|---|")
+    totals = {i: 0.0 for i in range(len(ROWS_CONFIGS))}
+    for name, (n, k) in weight_shapes(SHAPES[shape]).items():
+        copies = max(2, COPIES_BYTES // (n * k * 2))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(rows_gemm(x, ws[0]), gemv_reference(x, ws[0]), atol=1e-2, rtol=1e-2)
+        pct = lambda us: 100 * n * k * 2 / (us * 1e-6) / bw  # noqa: E731
+        reps = 2 * copies
+        t_cublas = graph_time_us(lambda i: F.linear(x, ws[i % copies]), reps)
+        t_default = graph_time_us(lambda i: rows_gemm(x, ws[i % copies]), reps)
+        best, best_cfg = t_default, dict(ROWS_GEMM_CONFIG)
+        for j, c in enumerate(ROWS_CONFIGS if sweep else []):
+            try:
+                t = graph_time_us(lambda i, c=c: rows_gemm(x, ws[i % copies], **c), reps)
+            except triton.runtime.errors.OutOfResources:
+                t = float("inf")
+            totals[j] += t
+            if t < best:
+                best, best_cfg = t, c
+        cfg = "/".join(str(v) for v in best_cfg.values())
+        print(f"| {name} | {n} x {k} | {t_cublas:.1f} | {pct(t_cublas):.0f}% | {t_default:.1f} | {pct(t_default):.0f}% | "
+              f"{best:.1f} | {cfg} |", flush=True)
+        del ws
+    if sweep:
+        j = min(totals, key=totals.get)
+        print(f"best configuration over the layer: {ROWS_CONFIGS[j]} ({totals[j]:.1f} us for the four weights)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3-8b", choices=sorted(SHAPES))
     ap.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the default configuration")
     ap.add_argument("--fused", action="store_true", help="norm_gemv (RMSNorm fused in) against the separate kernels")
+    ap.add_argument("--rows", type=int, default=0, help="time rows_gemm on this many rows instead")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"# {torch.cuda.get_device_name()}, copy bw {bw / 1e12:.2f} TB/s, {args.shape}, one row, bf16")
     if args.fused:
         return bench_fused(args.shape, bw, not args.no_sweep)
+    if args.rows:
+        return bench_rows(args.shape, args.rows, bw, not args.no_sweep)
     print("| weight | N x K | cuBLAS us | % bw | gemv default us | % bw | best of sweep us | % bw | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, (n, k) in weight_shapes(SHAPES[args.shape]).items():

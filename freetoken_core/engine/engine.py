@@ -51,8 +51,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format)
-        if config.speculative is None and device_uses_pdl(self.device):
-            use_gemv_for_all_sizes(self.model)  # see its docstring: why only in the PDL chain, not with speculation
+        if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain
+            use_gemv_for_all_sizes(self.model, rows=config.speculative is not None)
         model_max = int(getattr(self.model.config, "max_position_embeddings", MAX_DEFAULT_SEQ_LEN) or MAX_DEFAULT_SEQ_LEN)
         self.max_seq_len = config.max_seq_len or min(model_max, MAX_DEFAULT_SEQ_LEN)
         if hasattr(self.model, "ensure_positions"):  # a max_seq_len past the model's own limit

@@ -58,6 +58,7 @@ class Linear(nn.Module):
         self.bias = _param((out_features,), dtype) if bias else None
         self.packed: torch.Tensor | None = None  # CPU: oneDNN-prepacked weight (pack_for_cpu)
         self.gemv_min_elements = GEMV_MIN_ELEMENTS  # see use_gemv_for_all_sizes
+        self.rows_gemm = False  # 2..16 rows on the Triton kernel too (use_gemv_for_all_sizes(rows=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu":
@@ -67,6 +68,8 @@ class Linear(nn.Module):
 
             if triton_gemv.use_gemv(x, self.weight, self.gemv_min_elements):  # batch-1 decode: beats cuBLAS
                 return triton_gemv.gemv(x, self.weight, self.bias)
+            if self.rows_gemm and triton_gemv.use_rows_gemm(x, self.weight, self.gemv_min_elements):
+                return triton_gemv.rows_gemm(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
@@ -118,8 +121,9 @@ class MergedLinear(Linear):
         return sum(self.out_sizes[:i]), self.out_sizes[i]
 
 
-def use_gemv_for_all_sizes(model: nn.Module) -> int:
-    """Send one-row inputs of every half-precision weight to the Triton GEMV, however small.
+def use_gemv_for_all_sizes(model: nn.Module, rows: bool = False) -> int:
+    """Send one-row inputs of every half-precision weight to the Triton GEMV, however small; with
+    `rows`, also inputs of 2..16 rows to its multi-row variant (`triton_gemv.rows_gemm`).
 
     On their own, small GEMVs are no faster than cuBLAS's. But the Triton kernels of a decode step
     chain through programmatic dependent launch (freetoken_core/pdl.py), and each cuBLAS call
@@ -127,12 +131,14 @@ def use_gemv_for_all_sizes(model: nn.Module) -> int:
     in 0.68 ms per step instead of 0.86 ms on the H200 (benchmarks/RESULTS.md).
 
     Without PDL (before Hopper, or FREETOKEN_PDL=0) small GEMVs measured no faster, so the engine
-    calls this only where PDL is in use. It also skips it under speculative decoding: verify steps
-    score k + 1 rows with cuBLAS, and in bf16 one-row steps through the GEMV then round
-    differently; speculation was also measured slower there. Returns the number of layers changed."""
+    calls this only where PDL is in use. Under speculative decoding it passes `rows=True`: a verify
+    step scores k + 1 rows per request, and with cuBLAS there its PDL chain broke the same way
+    (SmolLM2, k = 8: 0.97 ms per pipelined verify step with cuBLAS; see RESULTS.md for the kernel's
+    number). Returns the number of layers changed."""
     n = 0
     for m in model.modules():
         if isinstance(m, Linear):
             m.gemv_min_elements = 0
+            m.rows_gemm = rows
             n += 1
     return n

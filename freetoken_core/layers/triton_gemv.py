@@ -81,6 +81,35 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 
 @triton.jit
+def _rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    # a few rows (speculative verify steps: k + 1 per request): like _gemv_kernel, each program owns
+    # BLOCK_N outputs and streams its weight rows once, now for up to BLOCK_M input rows (tl.dot)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_start = 0
+    if USE_PDL:  # the first weight tile loads before the wait: no earlier kernel writes weights
+        w = _w_tile(w_ptr, offs_n, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
+        pdl_wait_then_release()
+        x = _w_tile(x_ptr, offs_m, m_ok, 0, K, stride_xm, BLOCK_K, EVEN_K)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        w = _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
+        x = _w_tile(x_ptr, offs_m, m_ok, k0, K, stride_xm, BLOCK_K, EVEN_K)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
                     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -164,6 +193,42 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> bool:
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and weight.numel() >= min_elements and weight.stride(1) == 1 and x.stride(1) == 1
     )
+
+
+ROWS_GEMM_MAX_ROWS = 16  # tl.dot's smallest M tile: more rows go to cuBLAS
+# rows_gemm's launch configuration: the best sum over SmolLM2's four projections at 9 rows in
+# `bench_gemv.py --shape smollm2-135m --rows 9` on the H200 (benchmarks can override it)
+ROWS_GEMM_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
+
+
+def use_rows_gemm(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> bool:
+    """Dispatch rule of `Linear` for 2..16 CUDA rows: as `use_gemv`, for a layer whose size bar the
+    engine lowered to 0 (`use_gemv_for_all_sizes(model, rows=True)`: speculation in the PDL chain)."""
+    return (
+        ENABLED and x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= ROWS_GEMM_MAX_ROWS and min_elements == 0
+        and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+        and weight.stride(1) == 1 and x.stride(1) == 1
+    )
+
+
+def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+              block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """x [M, K] with M <= 16, weight [N, K] (contiguous rows), bias [N] -> [M, N] in x's dtype."""
+    cfg = ROWS_GEMM_CONFIG
+    block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    num_warps, num_stages = num_warps or cfg["num_warps"], num_stages or cfg["num_stages"]
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= ROWS_GEMM_MAX_ROWS, f"rows_gemm takes 1..{ROWS_GEMM_MAX_ROWS} rows, got {m}"
+    assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _rows_gemm_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=ROWS_GEMM_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact, not tf32
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(x),
+    )
+    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,

@@ -11,7 +11,7 @@ import torch
 
 from freetoken_core.layers import triton_gemv
 from freetoken_core.layers.linear import GEMV_MIN_ELEMENTS, Linear, use_gemv_for_all_sizes
-from freetoken_core.layers.triton_gemv import gemv, gemv_reference
+from freetoken_core.layers.triton_gemv import gemv, gemv_reference, rows_gemm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -61,7 +61,62 @@ def test_use_gemv_for_all_sizes_lowers_every_linear_layer():
     model = torch.nn.Sequential(Linear(8, 8), QKVLinear(8, 2, 1, 4), MergedLinear(8, [4, 4]), torch.nn.LayerNorm(8))
     assert all(m.gemv_min_elements == GEMV_MIN_ELEMENTS for m in model[:3])
     assert use_gemv_for_all_sizes(model) == 3
-    assert all(m.gemv_min_elements == 0 for m in model[:3])
+    assert all(m.gemv_min_elements == 0 and not m.rows_gemm for m in model[:3])
+    use_gemv_for_all_sizes(model, rows=True)
+    assert all(m.rows_gemm for m in model[:3])
+
+
+# --- a few rows (speculative verify steps) -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("k", [200, 256])  # K not / a multiple of block_k
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_gemm_matches_reference(dtype, m, k, bias):
+    n = 72  # not a multiple of block_n
+    x = _randn(m, k, dtype=dtype, seed=11)
+    w = _randn(n, k, dtype=dtype, seed=12) * 0.1
+    b = _randn(n, dtype=dtype, seed=13) if bias else None
+    got = rows_gemm(x, w, b, block_n=32, block_k=64)
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got, gemv_reference(x, w, b), **tol)
+
+
+def test_rows_gemm_dispatch_rule():
+    w = torch.empty(576, 576, dtype=torch.bfloat16)
+    rows = torch.empty(9, 576, dtype=torch.bfloat16)
+    assert not triton_gemv.use_rows_gemm(rows, w, 0)  # CPU tensors stay on torch
+    if torch.cuda.is_available():
+        w, rows = w.cuda(), rows.cuda()
+        assert triton_gemv.use_rows_gemm(rows, w, 0)
+        assert not triton_gemv.use_rows_gemm(rows, w, GEMV_MIN_ELEMENTS)  # only where the engine lowered the bar
+        assert not triton_gemv.use_rows_gemm(rows[:1], w, 0)  # one row: the GEMV
+        assert not triton_gemv.use_rows_gemm(torch.empty(17, 576, dtype=torch.bfloat16, device="cuda"), w, 0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [2, 5, 9, 16])
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (576, 1536), (6144, 4096)])
+def test_rows_gemm_bf16_shapes(m, n, k):
+    x = _randn(m, k, dtype=torch.bfloat16, seed=14)
+    w = _randn(n, k, dtype=torch.bfloat16, seed=15) * 0.02
+    torch.testing.assert_close(rows_gemm(x, w), gemv_reference(x, w), atol=1e-2, rtol=1e-2)
+
+
+@needs_cuda
+def test_linear_uses_rows_gemm_in_a_cuda_graph():
+    lin = Linear(576, 960, dtype=torch.bfloat16).cuda()
+    lin.weight.data.normal_(0, 0.02)
+    use_gemv_for_all_sizes(lin, rows=True)
+    x = torch.randn(9, 576, device="cuda", dtype=torch.bfloat16)
+    g = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    lin(static_x)  # compile outside the capture
+    with torch.cuda.graph(g):
+        static_y = lin(static_x)
+    static_x.copy_(x * 2)
+    g.replay()
+    torch.testing.assert_close(static_y, gemv_reference(x * 2, lin.weight), atol=1e-2, rtol=1e-2)
 
 
 @needs_cuda
@@ -169,3 +224,4 @@ def test_norm_linear_fused_in_a_cuda_graph():
     want, want_h = triton_gemv.norm_gemv_reference(x * 2, r, norm.weight, 1e-5, lin.weight, None, True)
     torch.testing.assert_close(static_y, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(static_h, want_h, atol=0, rtol=0)
+
