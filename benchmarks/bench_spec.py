@@ -1,6 +1,6 @@
 """Speculative decoding (n-gram prompt lookup) vs plain decoding, batch 1, on a real model.
 
-    python benchmarks/bench_spec.py [--model DIR] [--k 4] [--max-tokens 192] [--device auto]
+    python benchmarks/bench_spec.py [--model DIR] [--k 4] [--max-tokens 192] [--device auto] [--repeats 5]
 
 Workloads: "repetitive" (repeat / lightly edit a code file given in the prompt: drafts come from the
 prompt) and "open" (free-form text: few drafts, so this row shows the cost of the speculative
@@ -15,6 +15,7 @@ they part after a while: see `layers.linear.use_gemv_for_all_sizes`).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -52,19 +53,31 @@ WORKLOADS = {
 }
 
 
-def run(llm: LLM, chat, max_tokens: int) -> tuple[float, list[int], int, int]:
-    """Output tok/s (prompt prefill included: short next to the decode), tokens, accepted, proposed."""
+def timed(llm: LLM, chat, max_tokens: int) -> tuple[float, list[int], int, int]:
+    """Output tok/s of one request (prompt prefill included: short next to the decode), its tokens,
+    accepted and proposed drafts."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    # warm up with the same request: the first verify steps of a process pay one-time costs (kernel
-    # loads, allocator growth) that an 8-token warm-up may not reach; on the H200 they were ~25% of
-    # a 192-token run
-    llm.chat(chat, params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     res = llm.chat(chat, params)[0]
     dt = time.perf_counter() - t0
     return len(res.token_ids) / dt, res.token_ids, res.spec_accepted, res.spec_proposed
+
+
+def median_pair(plain: LLM, spec: LLM, chat, max_tokens: int, repeats: int):
+    """Median tok/s of `repeats` timed runs each, plain and speculative alternating (drift on the
+    host, clocks or other tenants then hits both), after a warm-up run of the same request: the
+    first verify steps of a process pay one-time costs (kernel loads, allocator growth) that an
+    8-token warm-up may not reach (on the H200 they were ~25% of a 192-token run)."""
+    timed(plain, chat, max_tokens)
+    timed(spec, chat, max_tokens)
+    runs_plain, runs_spec = [], []
+    for _ in range(repeats):
+        runs_plain.append(timed(plain, chat, max_tokens))
+        runs_spec.append(timed(spec, chat, max_tokens))
+    med = lambda runs: statistics.median(r[0] for r in runs)  # noqa: E731
+    return med(runs_plain), runs_plain[-1][1], med(runs_spec), runs_spec[-1]
 
 
 def main() -> None:
@@ -74,7 +87,15 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per mode; the median is reported")
+    ap.add_argument("--rows-config", default=None,
+                    help="block_n,block_k,num_warps,num_stages for the verify rows' GEMM kernel (bench_gemv.py --rows)")
     args = ap.parse_args()
+    if args.rows_config:
+        from freetoken_core.layers import triton_gemv
+
+        bn, bk, w, st = (int(v) for v in args.rows_config.split(","))
+        triton_gemv.ROWS_GEMM_CONFIG.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
     if args.model is None:
         from freetoken_core.models.gguf import default_model_path
 
@@ -85,12 +106,12 @@ def main() -> None:
     spec = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k, **kw)
     dev = plain.scheduler.engine.device
     name = torch.cuda.get_device_name() if dev.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"# {name}, {plain.scheduler.engine.dtype}, batch 1, k={args.k}, {args.max_tokens} tokens, {time.strftime('%Y-%m-%d')}")
+    print(f"# {name}, {plain.scheduler.engine.dtype}, batch 1, k={args.k}, {args.max_tokens} tokens, "
+          f"median of {args.repeats} alternating runs, {time.strftime('%Y-%m-%d')}")
     print("| workload | plain tok/s | speculative tok/s | speed-up | accepted / proposed | tokens per decode step | identical prefix |")
     print("|---|---|---|---|---|---|---|")
     for wname, chat in WORKLOADS.items():
-        base, base_toks, _, _ = run(plain, chat, args.max_tokens)
-        fast, fast_toks, acc, prop = run(spec, chat, args.max_tokens)
+        base, base_toks, fast, (_, fast_toks, acc, prop) = median_pair(plain, spec, chat, args.max_tokens, args.repeats)
         same = next((i for i, (a, b) in enumerate(zip(fast_toks, base_toks)) if a != b), len(base_toks))
         steps = max(1, len(fast_toks) - acc)  # every step commits one target token plus its accepted drafts
         print(f"| {wname} | {base:.1f} | {fast:.1f} | {fast / base:.2f}x | {acc} / {prop} | "

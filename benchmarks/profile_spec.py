@@ -4,6 +4,10 @@
 
 Runs bench_spec.py's repetitive workload once to warm up, then once under cProfile, and prints
 the functions with the most own time and the scheduler/spec functions by cumulative time.
+
+On CUDA with the pipelined path it also times the pipelined steps without the profiler: CUDA events
+around each graph replay give the device time of a step and the period between consecutive steps;
+a period well above the device time means the host is what limits the step rate.
 """
 
 from __future__ import annotations
@@ -11,6 +15,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
+import time
+
+import torch
 
 from bench_spec import WORKLOADS
 from freetoken_core import LLM, SamplingParams
@@ -23,7 +31,15 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--kernels", action="store_true", help="also a torch.profiler table of device time per kernel")
+    ap.add_argument("--rows-config", default=None,
+                    help="block_n,block_k,num_warps,num_stages for the verify rows' GEMM kernel (bench_gemv.py --rows)")
     args = ap.parse_args()
+    if args.rows_config:
+        from freetoken_core.layers import triton_gemv
+
+        bn, bk, w, st = (int(v) for v in args.rows_config.split(","))
+        triton_gemv.ROWS_GEMM_CONFIG.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
     llm = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k, dtype=args.dtype, device=args.device,
               max_running_req=4, page_size=16, kv_cache_gb=1.0, memory_fraction=0.3)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
@@ -36,6 +52,42 @@ def main() -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(25)
     stats.sort_stats("cumulative").print_stats(r"scheduler|spec|engine|verify", 30)
+    pl = llm.scheduler.spec.pipeline
+    if pl is not None and pl.runner is not None:
+        time_pipelined_steps(llm, pl, params)
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as kp:
+            llm.chat(WORKLOADS["repetitive"], params)
+        print(kp.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+def time_pipelined_steps(llm: LLM, pl, params: SamplingParams) -> None:
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    replay = pl.runner.replay_as_captured
+
+    def timed(bs: int) -> torch.Tensor:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(bs)
+        end.record()
+        events.append((start, end))
+        return out
+
+    pl.runner.replay_as_captured = timed
+    t0 = time.perf_counter()
+    res = llm.chat(WORKLOADS["repetitive"], params)[0]
+    wall = time.perf_counter() - t0
+    pl.runner.replay_as_captured = replay
+    torch.cuda.synchronize()
+    device_ms = [s.elapsed_time(e) for s, e in events]
+    period_ms = [a[0].elapsed_time(b[0]) for a, b in zip(events, events[1:])]
+    print(f"\npipelined steps: {len(events)} for {len(res.token_ids)} tokens in {wall * 1e3:.1f} ms wall")
+    print(f"device time per step: median {statistics.median(device_ms):.3f} ms, mean {statistics.mean(device_ms):.3f} ms")
+    if period_ms:
+        print(f"step period (start to start): median {statistics.median(period_ms):.3f} ms, "
+              f"mean {statistics.mean(period_ms):.3f} ms")
 
 
 if __name__ == "__main__":
