@@ -159,7 +159,7 @@ class Scheduler:
         retraction wait for the previous step (they need the true lengths)."""
         msgs, self._outbox = self._outbox, []
         decoders = self._decoders()
-        prefill_pending = bool(self.waiting) or len(decoders) < len(self.running)
+        prefill_pending = len(decoders) < len(self.running) or (bool(self.waiting) and self._row_free())
         if prefill_pending and not (decoders and self._last_was_prefill):
             self._drain(msgs)
             ran = self._run_prefill(msgs)
@@ -173,6 +173,12 @@ class Scheduler:
         else:
             self._drain(msgs)
         return msgs
+
+    def _row_free(self) -> bool:
+        """Whether a waiting request could be admitted at all. When every row is taken, planning a
+        prefill is pointless, and so is draining the step in flight for it (that would cost the
+        overlap of every step while requests queue)."""
+        return len(self.running) < self.config.max_running_req and self.cache.num_free_rows > 0
 
     def _decoders(self) -> list[Req]:
         return [r for r in self.running if r.seq_len + r.inflight - r.cached_len == 1 and self._wants_more(r)]

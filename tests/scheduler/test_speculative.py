@@ -183,3 +183,22 @@ def test_abort_while_a_pipelined_step_is_in_flight(model_path):
     assert all(finals[u][0].finish_reason == "length" and len(tokens[u]) == 40 for u in uids[1:])
     sched.cache.check()
     assert sched.cache.num_free_pages == sched.cache.num_total_pages
+
+
+def test_queued_requests_do_not_stop_the_pipeline_every_step(model_path):
+    """With every row taken, waiting requests cannot be admitted: the scheduler must not drain the
+    step in flight for a prefill that cannot happen. The pipeline restarts only when a request
+    leaves (and its successor is admitted), not on every step."""
+    prompts = PROMPTS * 3
+    params = [SamplingParams(max_tokens=8 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    llm = LLM(model_path, dtype="float32", page_size=4, num_pages=400, max_running_req=4,
+              speculative="ngram", num_speculative_tokens=3, overlap_schedule=True)
+    pl = llm.scheduler.spec.pipeline
+    counts = count_pipeline_launches(llm)
+    starts = []
+    start = pl.start
+    pl.start = lambda members: starts.append(len(members)) or start(members)
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert counts["launch"] > 3 * len(starts)
+    assert len(starts) <= len(prompts) + 1
