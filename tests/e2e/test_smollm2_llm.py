@@ -101,3 +101,10 @@ def test_ngram_speculation_on_real_model(smollm2_path, llm, pipelined):
     out = spec_llm.chat(chat, params)[0]
     assert out.token_ids == base.token_ids and out.text == base.text
     assert out.spec_accepted >= 0.25 * out.spec_proposed > 0  # copying code: many drafts are right
+    # a stop string that ends the output inside an accepted run of copied code
+    stop = "a + b"
+    assert stop in base.text
+    params = SamplingParams(max_tokens=48, ignore_eos=True, stop=[stop])
+    want = llm.chat(chat, params)[0]
+    got = spec_llm.chat(chat, params)[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
