@@ -18,12 +18,16 @@ CODE = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n
 TEXT = "Repeat the following code exactly, with no other text:\n" + CODE * 2
 
 
-@pytest.fixture(scope="module")
-def spec_server(smollm2_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["synchronous", "pipelined"])
+def spec_server(smollm2_path, tmp_path_factory, request):
+    """pipelined: overlap_schedule forced on (CPU), so greedy verify steps chain device-resident
+    (spec/pipeline.py) as they do on CUDA."""
     from freetoken_core.serving.launcher import start_server
 
     workdir = tmp_path_factory.mktemp("triton-spec")
     params = {**SERVER_PARAMS, "model_path": smollm2_path, "speculative": "ngram", "num_speculative_tokens": "4"}
+    if request.param == "pipelined":
+        params["overlap_schedule"] = "true"
     handle = start_server(params, repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
     yield handle
     handle.stop()
