@@ -53,6 +53,19 @@ WORKLOADS = {
 }
 
 
+def add_rows_config_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rows-config", default=None,
+                    help="block_n,block_k,num_warps,num_stages for the verify rows' GEMM kernel (bench_gemv.py --rows)")
+
+
+def apply_rows_config(args: argparse.Namespace) -> None:
+    if args.rows_config:
+        from freetoken_core.layers import triton_gemv
+
+        bn, bk, w, st = (int(v) for v in args.rows_config.split(","))
+        triton_gemv.ROWS_GEMM_CONFIG.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+
+
 def timed(llm: LLM, chat, max_tokens: int) -> tuple[float, list[int], int, int]:
     """Output tok/s of one request (prompt prefill included: short next to the decode), its tokens,
     accepted and proposed drafts."""
@@ -88,14 +101,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per mode; the median is reported")
-    ap.add_argument("--rows-config", default=None,
-                    help="block_n,block_k,num_warps,num_stages for the verify rows' GEMM kernel (bench_gemv.py --rows)")
+    add_rows_config_arg(ap)
     args = ap.parse_args()
-    if args.rows_config:
-        from freetoken_core.layers import triton_gemv
-
-        bn, bk, w, st = (int(v) for v in args.rows_config.split(","))
-        triton_gemv.ROWS_GEMM_CONFIG.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+    apply_rows_config(args)
     if args.model is None:
         from freetoken_core.models.gguf import default_model_path
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from bench_spec import WORKLOADS
+from bench_spec import WORKLOADS, add_rows_config_arg, apply_rows_config
 from freetoken_core import LLM, SamplingParams
 
 
@@ -32,14 +32,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--kernels", action="store_true", help="also a torch.profiler table of device time per kernel")
-    ap.add_argument("--rows-config", default=None,
-                    help="block_n,block_k,num_warps,num_stages for the verify rows' GEMM kernel (bench_gemv.py --rows)")
+    add_rows_config_arg(ap)
     args = ap.parse_args()
-    if args.rows_config:
-        from freetoken_core.layers import triton_gemv
-
-        bn, bk, w, st = (int(v) for v in args.rows_config.split(","))
-        triton_gemv.ROWS_GEMM_CONFIG.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+    apply_rows_config(args)
     llm = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k, dtype=args.dtype, device=args.device,
               max_running_req=4, page_size=16, kv_cache_gb=1.0, memory_fraction=0.3)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

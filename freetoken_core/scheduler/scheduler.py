@@ -178,7 +178,7 @@ class Scheduler:
         """Whether a waiting request could be admitted at all. When every row is taken, planning a
         prefill is pointless, and so is draining the step in flight for it (that would cost the
         overlap of every step while requests queue)."""
-        return len(self.running) < self.config.max_running_req and self.cache.num_free_rows > 0
+        return self.cache.num_free_rows > 0  # one row per admitted request, max_running_req rows
 
     def _decoders(self) -> list[Req]:
         return [r for r in self.running if r.seq_len + r.inflight - r.cached_len == 1 and self._wants_more(r)]

@@ -43,9 +43,8 @@ class SpecDecoder:
         self._proposers: dict[int, NgramProposer] = {}
         self.pipeline: DevicePipeline | None = None
         self._inflight: PipelineStep | None = None
-        if sched.overlap:
-            pipeline = DevicePipeline(sched.engine, self.k, self.min_ngram, self.max_ngram)
-            self.pipeline = pipeline if pipeline.usable else None
+        if sched.overlap and DevicePipeline.available(sched.engine):
+            self.pipeline = DevicePipeline(sched.engine, self.k, self.min_ngram, self.max_ngram)
 
     # --- per-request drafter state ------------------------------------------------------------
     def add(self, req: Req) -> None:

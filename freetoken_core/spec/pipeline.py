@@ -79,18 +79,22 @@ class DevicePipeline:
         self._hist_len: dict[int, tuple[int, int]] = {}  # uid -> (table row, tokens valid in hist)
         self.members: list[Req] = []
         self.runner: GraphRunner | None = None
-        info = engine.attn_backend.info
         if engine.graph_runner is not None:
-            if info.uniform_extend_graph and info.lengths_on_device:
-                self._capture()
-            else:
-                log.warning("backend %s cannot take lengths from the device: speculation verifies synchronously", info.name)
+            self._capture()
 
-    @property
-    def usable(self) -> bool:
+    @staticmethod
+    def available(engine: Engine) -> bool:
         """On CUDA only as a graph (an eager step syncs for its attention metadata, which is what the
         synchronous path does anyway); on CPU eagerly, which exercises the same logic (tests)."""
-        return self.runner is not None or self.device.type != "cuda"
+        if engine.device.type != "cuda":
+            return True
+        info = engine.attn_backend.info
+        if engine.graph_runner is None:
+            return False
+        if not (info.uniform_extend_graph and info.lengths_on_device):
+            log.warning("backend %s cannot take lengths from the device: speculation verifies synchronously", info.name)
+            return False
+        return True
 
     # --- one step's ops (shared by the graph and the eager path) --------------------------------
     def _prepare(self, bs: int, ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor) -> None:
@@ -206,11 +210,9 @@ class DevicePipeline:
 
     def stop(self) -> None:
         """After the last step was resolved: the device history of every live member holds exactly
-        its committed tokens (a member that finished is forgotten)."""
+        its committed tokens."""
         for r in self.members:
-            if r.finished:
-                self._hist_len.pop(r.uid, None)
-            else:
+            if not r.finished:  # a finished one was forgotten when it finished
                 self._hist_len[r.uid] = (r.table_row, r.seq_len)
         self.members = []
 
