@@ -58,32 +58,50 @@ def main() -> None:
         print(kp.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
+class ReplayTimer:
+    """CUDA events around every replay of the pipeline's verify graph, while the `with` lasts."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def __enter__(self) -> "ReplayTimer":
+        replay = self._replay = self.runner.replay_as_captured
+
+        def timed(bs: int) -> torch.Tensor:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay(bs)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        self.runner.replay_as_captured = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.runner.replay_as_captured = self._replay
+        torch.cuda.synchronize()
+
+    def device_ms(self) -> list[float]:
+        return [s.elapsed_time(e) for s, e in self.events]
+
+    def period_ms(self) -> list[float]:
+        """Start of one step to the start of the next."""
+        return [a[0].elapsed_time(b[0]) for a, b in zip(self.events, self.events[1:])]
+
+
 def time_pipelined_steps(llm: LLM, pl, params: SamplingParams) -> None:
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    replay = pl.runner.replay_as_captured
-
-    def timed(bs: int) -> torch.Tensor:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = replay(bs)
-        end.record()
-        events.append((start, end))
-        return out
-
-    pl.runner.replay_as_captured = timed
-    t0 = time.perf_counter()
-    res = llm.chat(WORKLOADS["repetitive"], params)[0]
-    wall = time.perf_counter() - t0
-    pl.runner.replay_as_captured = replay
-    torch.cuda.synchronize()
-    device_ms = [s.elapsed_time(e) for s, e in events]
-    period_ms = [a[0].elapsed_time(b[0]) for a, b in zip(events, events[1:])]
-    print(f"\npipelined steps: {len(events)} for {len(res.token_ids)} tokens in {wall * 1e3:.1f} ms wall")
+    with ReplayTimer(pl.runner) as timer:
+        t0 = time.perf_counter()
+        res = llm.chat(WORKLOADS["repetitive"], params)[0]
+        wall = time.perf_counter() - t0
+    device_ms, period_ms = timer.device_ms(), timer.period_ms()
+    print(f"\npipelined steps: {len(device_ms)} for {len(res.token_ids)} tokens in {wall * 1e3:.1f} ms wall")
     print(f"device time per step: median {statistics.median(device_ms):.3f} ms, mean {statistics.mean(device_ms):.3f} ms")
     if period_ms:
         print(f"step period (start to start): median {statistics.median(period_ms):.3f} ms, "
               f"mean {statistics.mean(period_ms):.3f} ms")
-
 
 if __name__ == "__main__":
     main()

@@ -123,7 +123,8 @@ class MergedLinear(Linear):
 
 def use_gemv_for_all_sizes(model: nn.Module, rows: bool = False) -> int:
     """Send one-row inputs of every half-precision weight to the Triton GEMV, however small; with
-    `rows`, also inputs of 2..16 rows to its multi-row variant (`triton_gemv.rows_gemm`).
+    `rows`, also inputs of 2..16 rows to its multi-row variant (`triton_gemv.rows_gemm`), for
+    weights under `triton_gemv.ROWS_GEMM_MAX_ELEMENTS` (larger ones are faster on cuBLAS).
 
     On their own, small GEMVs are no faster than cuBLAS's. But the Triton kernels of a decode step
     chain through programmatic dependent launch (freetoken_core/pdl.py), and each cuBLAS call

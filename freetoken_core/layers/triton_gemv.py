@@ -199,6 +199,11 @@ ROWS_GEMM_MAX_ROWS = 16  # tl.dot's smallest M tile: more rows go to cuBLAS
 # rows_gemm's launch configuration: the best sum over SmolLM2's four projections at 9 rows in
 # `bench_gemv.py --shape smollm2-135m --rows 9` on the H200 (benchmarks can override it)
 ROWS_GEMM_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
+# Larger weights stay on cuBLAS. At 9 rows on the H200 the kernel beat cuBLAS on every SmolLM2
+# weight (all under 2M elements) but not on Llama-3.2-1B's or Llama-3-8B's larger ones, whatever
+# the tile width; and a whole 8B verify step (k = 8) took 4.70 ms with cuBLAS against 4.89 ms with
+# the best per-shape tiles: the PDL chain it keeps does not pay for the slower matmuls there.
+ROWS_GEMM_MAX_ELEMENTS = 4 << 20
 
 
 def use_rows_gemm(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> bool:
@@ -206,6 +211,7 @@ def use_rows_gemm(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> b
     engine lowered to 0 (`use_gemv_for_all_sizes(model, rows=True)`: speculation in the PDL chain)."""
     return (
         ENABLED and x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= ROWS_GEMM_MAX_ROWS and min_elements == 0
+        and weight.numel() < ROWS_GEMM_MAX_ELEMENTS
         and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
         and weight.stride(1) == 1 and x.stride(1) == 1
     )

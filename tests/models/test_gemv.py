@@ -82,6 +82,13 @@ def test_rows_gemm_matches_reference(dtype, m, k, bias):
     torch.testing.assert_close(got, gemv_reference(x, w, b), **tol)
 
 
+@pytest.mark.parametrize("block_n", [16, 64])  # tile widths other than the one above
+def test_rows_gemm_tile_widths(block_n):
+    x = _randn(5, 200, dtype=torch.float32, seed=16)
+    w = _randn(72, 200, dtype=torch.float32, seed=17) * 0.1
+    torch.testing.assert_close(rows_gemm(x, w, block_n=block_n, block_k=64), gemv_reference(x, w), atol=1e-3, rtol=1e-3)
+
+
 def test_rows_gemm_dispatch_rule():
     w = torch.empty(576, 576, dtype=torch.bfloat16)
     rows = torch.empty(9, 576, dtype=torch.bfloat16)
@@ -92,6 +99,8 @@ def test_rows_gemm_dispatch_rule():
         assert not triton_gemv.use_rows_gemm(rows, w, GEMV_MIN_ELEMENTS)  # only where the engine lowered the bar
         assert not triton_gemv.use_rows_gemm(rows[:1], w, 0)  # one row: the GEMV
         assert not triton_gemv.use_rows_gemm(torch.empty(17, 576, dtype=torch.bfloat16, device="cuda"), w, 0)
+        big = torch.empty(4096, 4096, dtype=torch.bfloat16, device="cuda")  # Llama-3-8B's o_proj: cuBLAS is faster
+        assert not triton_gemv.use_rows_gemm(torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda"), big, 0)
 
 
 @needs_cuda
