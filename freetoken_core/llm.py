@@ -45,6 +45,8 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    spec_accepted: int = 0  # speculative decoding, set on the final delta: accepted draft tokens
+    spec_proposed: int = 0
 
 
 class LLM:
@@ -160,4 +162,5 @@ class LLM:
             out.logprobs = (out.logprobs or []) + msg.logprobs
         if msg.top_logprobs is not None:
             out.top_logprobs = (out.top_logprobs or []) + msg.top_logprobs
-        return StreamDelta(i, text, list(msg.next_tokens), msg.finished, msg.finish_reason, msg.logprobs)
+        return StreamDelta(i, text, list(msg.next_tokens), msg.finished, msg.finish_reason, msg.logprobs,
+                           out.spec_accepted, out.spec_proposed)

@@ -128,6 +128,17 @@ def test_pipeline_runs_greedy_steps_and_matches_the_synchronous_drafts(model_pat
     assert llm.scheduler.cache.num_free_pages == llm.scheduler.cache.num_total_pages
 
 
+def test_stream_reports_acceptance_on_the_final_delta(model_path):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    whole = run(model_path, True, params)
+    llm = LLM(model_path, dtype="float32", page_size=4, num_pages=400, max_running_req=4,
+              speculative="ngram", num_speculative_tokens=3)
+    final = {d.index: d for d in llm.stream(PROMPTS, params) if d.finished}
+    assert [(final[i].spec_accepted, final[i].spec_proposed) for i in range(len(PROMPTS))] == \
+        [(o.spec_accepted, o.spec_proposed) for o in whole]
+    assert sum(d.spec_proposed for d in final.values()) > 0
+
+
 def test_pipeline_with_more_requests_than_slots_and_mixed_sampling(model_path):
     """Requests join as others finish (the pipeline restarts around each prefill); a sampled
     request in the batch sends everyone through the synchronous path until it finishes."""
