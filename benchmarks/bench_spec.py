@@ -101,7 +101,7 @@ def timed(llm: LLM, chat, max_tokens: int, batch: int) -> Run:
     return Run(total / (t_end - t0), after_first / (t_end - max(first.values())), toks[0], accepted, proposed)
 
 
-def median_pair(plain: LLM, spec: LLM, chat, max_tokens: int, repeats: int, batch: int) -> tuple[list[Run], list[Run]]:
+def alternating_runs(plain: LLM, spec: LLM, chat, max_tokens: int, repeats: int, batch: int) -> tuple[list[Run], list[Run]]:
     """`repeats` timed runs each, plain and speculative alternating (drift on the host, clocks or
     other tenants then hits both), after a warm-up run of the same request: the first verify steps
     of a process pay one-time costs (kernel loads, allocator growth) that an 8-token warm-up may not
@@ -143,7 +143,7 @@ def main() -> None:
           "| accepted / proposed | tokens per request per step | identical prefix |")
     print("|---|---|---|---|---|---|---|")
     for wname, chat in WORKLOADS.items():
-        runs_plain, runs_spec = median_pair(plain, spec, chat, args.max_tokens, args.repeats, args.batch)
+        runs_plain, runs_spec = alternating_runs(plain, spec, chat, args.max_tokens, args.repeats, args.batch)
         med = lambda runs, key: statistics.median(getattr(r, key) for r in runs)  # noqa: E731
         pe, pd, se, sd = med(runs_plain, "e2e"), med(runs_plain, "decode"), med(runs_spec, "e2e"), med(runs_spec, "decode")
         base, last = runs_plain[-1], runs_spec[-1]

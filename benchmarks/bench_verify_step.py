@@ -38,10 +38,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: the pipelined verify step is a CUDA graph")
-    if args.rows_gemm == "off":
-        triton_gemv.use_rows_gemm = lambda *a: False
-    elif args.rows_gemm == "all":
-        triton_gemv.ROWS_GEMM_MAX_ELEMENTS = 1 << 62
+    if args.rows_gemm != "auto":  # the weight-size bar of the engine's rule, moved to one end
+        triton_gemv.ROWS_GEMM_MAX_ELEMENTS = 0 if args.rows_gemm == "off" else 1 << 62
     model = write_shape(args.shape, Path(tempfile.mkdtemp()))
     sched = Scheduler(EngineConfig(
         model_path=str(model), load_format="dummy", dtype="bfloat16", device="cuda", max_running_req=4,

@@ -164,7 +164,7 @@ class DevicePipeline:
 
     # --- host side ----------------------------------------------------------------------------
     def can_run(self, reqs: list[Req]) -> bool:
-        """Graph-captured for this many requests, or eager (CPU, or no graphs: each step syncs)."""
+        """Graph-captured for this many requests (CUDA), or any batch the engine admits (CPU, eager)."""
         if self.runner is not None:
             return len(reqs) <= self.runner.max_bs
         return len(reqs) <= self.max_bs
@@ -237,8 +237,8 @@ class DevicePipeline:
         return PipelineStep(list(self.members), out.clone(), None)
 
     def _eager(self, n: int) -> torch.Tensor:
-        """The same step without a graph: the attention metadata is built from host lengths, which
-        costs a device sync (CPU, or CUDA with graphs off)."""
+        """The same step without a graph, on CPU (`available`): the attention metadata is built from
+        host lengths, read back from the device."""
         rows = n * self.rows_per_req
         ids, pos, loc = self.ids[:rows], self.pos[:rows], self.loc[:rows]
         self._prepare(n, ids, pos, loc)

@@ -112,20 +112,26 @@ def test_rows_gemm_bf16_shapes(m, n, k):
     torch.testing.assert_close(rows_gemm(x, w), gemv_reference(x, w), atol=1e-2, rtol=1e-2)
 
 
+def _replayed_in_a_graph(lin: Linear, x: torch.Tensor, new_x: torch.Tensor) -> torch.Tensor:
+    """lin captured in a CUDA graph on a copy of x, then replayed on new_x: the graph's output."""
+    static_x = x.clone()
+    lin(static_x)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = lin(static_x)
+    static_x.copy_(new_x)
+    g.replay()
+    return static_y
+
+
 @needs_cuda
 def test_linear_uses_rows_gemm_in_a_cuda_graph():
     lin = Linear(576, 960, dtype=torch.bfloat16).cuda()
     lin.weight.data.normal_(0, 0.02)
     use_gemv_for_all_sizes(lin, rows=True)
     x = torch.randn(9, 576, device="cuda", dtype=torch.bfloat16)
-    g = torch.cuda.CUDAGraph()
-    static_x = x.clone()
-    lin(static_x)  # compile outside the capture
-    with torch.cuda.graph(g):
-        static_y = lin(static_x)
-    static_x.copy_(x * 2)
-    g.replay()
-    torch.testing.assert_close(static_y, gemv_reference(x * 2, lin.weight), atol=1e-2, rtol=1e-2)
+    replayed = _replayed_in_a_graph(lin, x, x * 2)
+    torch.testing.assert_close(replayed, gemv_reference(x * 2, lin.weight), atol=1e-2, rtol=1e-2)
 
 
 @needs_cuda
@@ -145,13 +151,7 @@ def test_linear_uses_gemv_in_a_cuda_graph():
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     assert triton_gemv.use_gemv(x, lin.weight, lin.gemv_min_elements)
     eager = lin(x)
-    g = torch.cuda.CUDAGraph()
-    static_x = x.clone()
-    with torch.cuda.graph(g):
-        static_y = lin(static_x)
-    static_x.copy_(x * 2)
-    g.replay()
-    torch.testing.assert_close(static_y, lin(x * 2))
+    torch.testing.assert_close(_replayed_in_a_graph(lin, x, x * 2), lin(x * 2))
     torch.testing.assert_close(eager, gemv_reference(x, lin.weight), atol=1e-2, rtol=1e-2)
 
 
