@@ -1,4 +1,4 @@
-"""One-row GEMV (freetoken_core/layers/triton_gemv.py) vs cuBLAS (F.linear) on a model's weight shapes.
+"""One-row GEMV (freetoken_core/kernels/gemv.py) vs cuBLAS (F.linear) on a model's weight shapes.
 
     python benchmarks/bench_gemv.py [--shape llama-3-8b] [--fused] [--rows M] [--no-sweep]
 
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 import triton
 
 from bench_decode import SHAPES, copy_bandwidth
-from freetoken_core.layers import triton_ops
-from freetoken_core.layers.triton_gemv import (
+from freetoken_core.kernels import fused_ops as triton_ops
+from freetoken_core.kernels.gemv import (
     ROWS_GEMM_CONFIG, default_config, gemv, gemv_reference, norm_gemv, norm_gemv_reference, rows_gemm,
 )
 

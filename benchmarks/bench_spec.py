@@ -63,7 +63,7 @@ def add_rows_config_arg(ap: argparse.ArgumentParser) -> None:
 
 def apply_rows_config(args: argparse.Namespace) -> None:
     if args.rows_config:
-        from freetoken_core.layers import triton_gemv
+        from freetoken_core.kernels import gemv as triton_gemv
 
         bn, bk, w, st = (int(v) for v in args.rows_config.split(","))
         triton_gemv.ROWS_GEMM_CONFIG.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)

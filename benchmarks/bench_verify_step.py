@@ -24,7 +24,7 @@ import torch
 
 from bench_decode import SHAPES, write_shape
 from freetoken_core.config import EngineConfig, SamplingParams
-from freetoken_core.layers import triton_gemv
+from freetoken_core.kernels import gemv as triton_gemv
 from freetoken_core.scheduler.scheduler import Scheduler
 from profile_spec import ReplayTimer
 

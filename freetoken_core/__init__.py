@@ -1,11 +1,10 @@
 """freetoken_core: an LLM inference engine (paged KV cache, continuous batching) for Triton Inference Server."""
 
-import os as _os
+from .env import configure_triton as _configure_triton
 
 # Triton decides interpreted vs compiled when `triton` is first imported; without a GPU its kernels
-# run only under the interpreter. Set it before anything imports triton (users may override).
-if not _os.path.exists("/dev/nvidia0"):
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+# run only under the interpreter. Decided before anything imports triton (users may override).
+_configure_triton()
 
 from .config import EngineConfig, SamplingParams  # noqa: E402
 

@@ -13,7 +13,7 @@ from ..core import Batch, Context, Phase, Req, set_context, to_device
 from ..kvcache.manager import CacheManager, pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
 from ..layers.linear import use_gemv_for_all_sizes
-from ..pdl import device_uses_pdl
+from ..kernels.pdl import device_uses_pdl
 from .graph import GraphRunner, default_bs_list
 from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
@@ -59,8 +59,8 @@ class Engine:
             self.model.ensure_positions(self.max_seq_len)
         # the longest request leaves room for a widened (speculative) step inside its page-table row
         self.max_req_len = self.max_seq_len - (config.decode_rows_per_req - 1)
-        layout = self.model.attn_layout()
-        shape = KVCacheShape(self.model.num_layers, layout.num_kv_heads, layout.head_dim, config.page_size, self.dtype)
+        layout = self.model.attn_layout()  # from the model's per-layer cache specs
+        shape = KVCacheShape(self.model.num_kv_layers, layout.num_kv_heads, layout.head_dim, config.page_size, self.dtype)
         num_pages = self._num_pages(shape)
         self.kv_cache = KVCache(shape, num_pages, self.device)
         self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device)

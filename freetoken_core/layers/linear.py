@@ -7,14 +7,14 @@ checkpoint tensor into its rows of the fused weight.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..env import kernel_env
 
-# One-row CUDA inputs of weights at least this large go to the Triton GEMV (layers/triton_gemv.py);
+
+# One-row CUDA inputs of weights at least this large go to the Triton GEMV (kernels/gemv.py);
 # smaller ones stay on cuBLAS unless the engine lowers the bar (`use_gemv_for_all_sizes`).
 GEMV_MIN_ELEMENTS = 1 << 24
 
@@ -24,7 +24,7 @@ def cpu_packing_available() -> bool:
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and os.environ.get("FREETOKEN_CPU_PACKED_LINEAR", "1") != "0"
+        and kernel_env().cpu_packed_linear
     )
 
 
@@ -41,6 +41,13 @@ def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def copy_checked(dst: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into (a slice of) a parameter, converting dtype and device in one copy."""
+    if dst.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
+    dst.copy_(loaded)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
@@ -64,7 +71,7 @@ class Linear(nn.Module):
         if self.packed is not None and x.device.type == "cpu":
             return packed_linear(x, self.packed, self.bias)
         if x.is_cuda:
-            from . import triton_gemv  # imported on first CUDA use: CPU users never load Triton
+            from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
 
             if triton_gemv.use_gemv(x, self.weight, self.gemv_min_elements):  # batch-1 decode: beats cuBLAS
                 return triton_gemv.gemv(x, self.weight, self.bias)
@@ -80,15 +87,17 @@ class Linear(nn.Module):
         """(offset, size) of a checkpoint shard in the output rows; plain layers have one shard."""
         return 0, self.out_features
 
+    def load_units(self, param: nn.Parameter) -> list[str | int | None]:
+        """The checkpoint shards that together fill `param` (models/weights.py checks each arrives)."""
+        return [None]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | int | None = None) -> None:
         if shard is None:
             dst = param.data
         else:
             off, size = self.shard_rows(shard)
             dst = param.data.narrow(0, off, size)
-        if dst.shape != loaded.shape:
-            raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
-        dst.copy_(loaded)  # converts dtype and device in one copy
+        copy_checked(dst, loaded)
 
 
 class QKVLinear(Linear):
@@ -99,6 +108,9 @@ class QKVLinear(Linear):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
+
+    def load_units(self, param: nn.Parameter) -> list[str | int | None]:
+        return ["q", "k", "v"]
 
     def shard_rows(self, shard: str | int) -> tuple[int, int]:
         return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
@@ -116,6 +128,9 @@ class MergedLinear(Linear):
         self.out_sizes = list(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias, dtype)
 
+    def load_units(self, param: nn.Parameter) -> list[str | int | None]:
+        return list(range(len(self.out_sizes)))
+
     def shard_rows(self, shard: str | int) -> tuple[int, int]:
         i = int(shard)
         return sum(self.out_sizes[:i]), self.out_sizes[i]
@@ -127,7 +142,7 @@ def use_gemv_for_all_sizes(model: nn.Module, rows: bool = False) -> int:
     weights under `triton_gemv.ROWS_GEMM_MAX_ELEMENTS` (larger ones are faster on cuBLAS).
 
     On their own, small GEMVs are no faster than cuBLAS's. But the Triton kernels of a decode step
-    chain through programmatic dependent launch (freetoken_core/pdl.py), and each cuBLAS call
+    chain through programmatic dependent launch (freetoken_core/kernels/pdl.py), and each cuBLAS call
     breaks that chain. With every projection in the chain, the real SmolLM2-135M decodes at batch 1
     in 0.68 ms per step instead of 0.86 ms on the H200 (benchmarks/RESULTS.md).
 

@@ -2,33 +2,25 @@
 
 `norm(x)` returns the normed x; `norm(x, residual)` adds first and returns `(normed, x + residual)`,
 so a decoder layer carries the residual stream without an extra add per sublayer. CUDA tensors go
-to the fused Triton kernels of `triton_ops` (one launch instead of ~7 in bf16); the plain-torch code
-below is the CPU path and their reference.
+to the fused Triton kernels of `kernels/fused_ops.py` (one launch instead of ~7 in bf16); their
+plain-torch reference (`kernels/fused_ops_ref.py`) is the CPU path.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.fused_ops_ref import rms_norm_torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.is_cuda:
-        from . import triton_ops  # imported on first CUDA use: CPU users never load Triton
+        from ..kernels import fused_ops as triton_ops  # first CUDA use: CPU users never load Triton
 
         if triton_ops.use_fused(x):
             return triton_ops.rmsnorm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain-torch reference; computes in fp32 and rounds like transformers' LlamaRMSNorm."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused CPU/CUDA kernel, same math
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +35,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         if x.is_cuda:
-            from . import triton_ops
+            from ..kernels import fused_ops as triton_ops
 
             if triton_ops.use_fused(x):
                 return triton_ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)

@@ -2,7 +2,7 @@
 gated MLP SiLU-and-mul, as one call.
 
 On one CUDA row of a large half-precision weight (batch-1 decode) this is one Triton launch
-(`triton_gemv.norm_gemv`) instead of two or three: the GEMV programs read the whole input row
+(`kernels/gemv.py` norm_gemv) instead of two or three: the GEMV programs read the whole input row
 anyway, so they norm it on the fly. Everywhere else it is exactly the unfused sequence. (A
 multi-row version for speculative verify steps was measured slower than the separate RMSNorm and
 `rows_gemm`: 1.09 vs 0.87 ms per SmolLM2 k = 8 step, benchmarks/RESULTS.md.)
@@ -10,15 +10,14 @@ multi-row version for speculative verify steps was measured slower than the sepa
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..env import kernel_env
 from .activation import silu_and_mul
 from .linear import Linear, MergedLinear
 from .norm import RMSNorm
 
-FUSED = os.environ.get("FREETOKEN_NORM_GEMV", "1") != "0"  # 0: separate norm / GEMV / SiLU kernels (A/B)
+FUSED = kernel_env().norm_gemv  # FREETOKEN_NORM_GEMV=0: separate norm / GEMV / SiLU kernels (A/B)
 
 
 def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
@@ -29,7 +28,7 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.
                       and linear.out_sizes[0] == linear.out_sizes[1]):
         raise ValueError("gated norm_linear needs a [gate | up] MergedLinear of two equal halves")
     if FUSED and x.is_cuda:
-        from . import triton_gemv  # imported on first CUDA use: CPU users never load Triton
+        from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
 
         # not for the gated MLP: there the fused kernel measured slower than the three it would
         # replace (benchmarks/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..kernels.fused_ops_ref import apply_rotary
+
 
 def default_inv_freq(rot_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device="cpu").float() / rot_dim))
@@ -93,19 +95,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, Hkv, D], positions [T] -> rotated q, k (new tensors)."""
         if q.is_cuda:
-            from . import triton_ops  # imported on first CUDA use: CPU users never load Triton
+            from ..kernels import fused_ops as triton_ops  # first CUDA use: CPU users never load Triton
 
             if triton_ops.use_fused(q):  # one launch for q and k instead of ~10 per step
                 return triton_ops.rotary(positions, q, k, self.cos_sin_cache, self.rot_dim)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2]
         return apply_rotary(q, cos, sin, self.rot_dim), apply_rotary(k, cos, sin, self.rot_dim)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin on the first rot_dim features (cos/sin are the half-size tables)."""
-    xr = x[..., :rot_dim]
-    x1, x2 = xr.chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    if rot_dim < x.shape[-1]:
-        out = torch.cat([out, x[..., rot_dim:]], dim=-1)
-    return out

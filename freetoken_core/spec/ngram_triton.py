@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-if not torch.cuda.is_available():  # kernels then run only under the interpreter (CPU tests)
-    from ..attention import triton as _interpreter_switch  # noqa: F401  (sets TRITON_INTERPRET first)
+from ..env import configure_triton
+
+configure_triton()  # before `import triton`: interpreted without a GPU (CPU tests)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

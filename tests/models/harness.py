@@ -19,7 +19,7 @@ class ModelHarness:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         layout = model.attn_layout()
-        shape = KVCacheShape(model.num_layers, layout.num_kv_heads, layout.head_dim, page_size, self.dtype)
+        shape = KVCacheShape(model.num_kv_layers, layout.num_kv_heads, layout.head_dim, page_size, self.dtype)
         self.kv_cache = KVCache(shape, num_pages, self.device)
         self.cache = CacheManager(num_pages, page_size, max_running_req, max_seq_len, self.device)
         self.backend = TorchNativeBackend(layout, self.kv_cache, self.cache.page_table)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...pdl import pdl_launch
-from ...pdl_triton import pdl_wait_then_release
+from ...kernels.pdl import pdl_launch
+from ...kernels.pdl_jit import pdl_wait_then_release
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it gains
@@ -72,7 +72,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -129,7 +129,7 @@ def _decode_merge_kernel(
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...pdl import pdl_launch
-from ...pdl_triton import pdl_wait_then_release
+from ...kernels.pdl import pdl_launch
+from ...kernels.pdl_jit import pdl_wait_then_release
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def _store_kv_kernel(
     stride_kt, stride_vt, stride_kcs, stride_vcs,
     ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     t = tl.program_id(0)
     slot = tl.load(OutLoc + t).to(tl.int64)

@@ -9,31 +9,25 @@ reduces once at the end: QKV 84%, O 74%, down 96% there (gate_up is at ~99% eith
 
 Only one-row half-precision inputs go here (`use_gemv`). By default the weight must also be large
 (linear.GEMV_MIN_ELEMENTS); where programmatic dependent launch chains the kernels
-(freetoken_core/pdl.py), the engine sends small weights here too. Everything else stays on cuBLAS,
+(freetoken_core/kernels/pdl.py), the engine sends small weights here too. Everything else stays on cuBLAS,
 where the tensor-core tiles of a [16, K] x [K, N] product are as good or better.
 
 `norm_gemv` also computes the RMSNorm (and residual add) of its input row, replacing a launch per
-layer. `gemv_reference` and `norm_gemv_reference` are the plain-torch references (fp32
-accumulation).
+layer. `gemv_ref.py` holds the plain-torch references (fp32 accumulation).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+import triton
+import triton.language as tl
 
-from ..pdl import pdl_launch
+from ..env import kernel_env
+from .gemv_ref import gemv_reference, norm_gemv_reference  # noqa: F401  (the references, beside their kernels)
+from .pdl import pdl_launch
+from .pdl_jit import pdl_wait_then_release
 
-if not torch.cuda.is_available():  # kernels then run only under the interpreter (CPU tests)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from ..pdl_triton import pdl_wait_then_release  # noqa: E402
-
-ENABLED = os.environ.get("FREETOKEN_GEMV", "1") != "0"  # 0: cuBLAS everywhere (A/B, debugging)
+ENABLED = kernel_env().gemv  # FREETOKEN_GEMV=0: cuBLAS everywhere (A/B, debugging)
 # The size rule itself lives with `Linear` (linear.GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
 
 
@@ -285,22 +279,3 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
     )
     return y, h
-
-
-def norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused path: (fused-add) RMSNorm, the linear layer, SiLU-and-mul when gated."""
-    from .activation import silu_and_mul_torch
-    from .norm import rms_norm_torch
-
-    h = x if residual is None else x + residual
-    y = gemv_reference(h if norm_weight is None else rms_norm_torch(h, norm_weight, eps), weight, bias)
-    return (silu_and_mul_torch(y) if gated else y), h
-
-
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = x.float() @ weight.float().t()
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)

@@ -11,7 +11,7 @@ weight reads. Each op here is one launch:
   one launch, partial rotary (rot_dim < head_dim) included.
 
 Every kernel computes in fp32 and rounds to the model dtype at the same points as the plain-torch
-code (which is the CPU path and the reference, `*_reference` below), so bf16 results equal it up
+code (which is the CPU path and the reference, `fused_ops_ref.py`), so bf16 results equal it up
 to the last-ulp differences of fp32 reduction order and rsqrt/exp. No host syncs, outputs
 allocated from shapes only: safe inside CUDA graphs. `FREETOKEN_FUSED_OPS=0` turns the dispatch off
 (for A/B benchmarks and debugging).
@@ -19,24 +19,18 @@ allocated from shapes only: safe inside CUDA graphs. `FREETOKEN_FUSED_OPS=0` tur
 
 from __future__ import annotations
 
-import os
-
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():  # kernels then run only under the interpreter (CPU tests)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from ..env import kernel_env
+from .fused_ops_ref import (  # noqa: F401  (the references, beside their kernels)
+    apply_rotary, fused_add_rmsnorm_reference, rmsnorm_reference, rotary_reference, silu_and_mul_reference,
+)
+from .pdl import pdl_launch
+from .pdl_jit import pdl_wait_then_release
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from ..pdl import pdl_launch  # noqa: E402
-from ..pdl_triton import pdl_wait_then_release  # noqa: E402
-
-from .activation import silu_and_mul_torch  # noqa: E402
-from .norm import rms_norm_torch  # noqa: E402
-from .rotary import apply_rotary  # noqa: E402
-
-ENABLED = os.environ.get("FREETOKEN_FUSED_OPS", "1") != "0"
+ENABLED = kernel_env().fused_ops  # FREETOKEN_FUSED_OPS (freetoken_core/env.py)
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -63,7 +57,7 @@ def _rmsnorm_kernel(
     inner, stride_x0, stride_x1, stride_r0, stride_r1, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     # Rows of a [R0, R1, N] view (R1 = 1 for 2-D inputs): a [T, H, D] slice of a fused projection
     # (Qwen3's q/k norm) is normed in place of a copy.
@@ -134,14 +128,8 @@ def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     return out, res_out
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_torch(x, weight, eps)
 
 
-def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    s = x + residual
-    return rms_norm_torch(s, weight, eps), s
 
 
 # ----------------------------------------------------------------------------------- SiLU-and-mul
@@ -149,7 +137,7 @@ def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight:
 
 @triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    if USE_PDL:  # freetoken_core/pdl.py
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -177,8 +165,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
-    return silu_and_mul_torch(x)
 
 
 # ----------------------------------------------------------------------------------------- rotary
@@ -218,7 +204,7 @@ def _rotary_kernel(
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/pdl.py
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -271,9 +257,3 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
         num_warps=_num_warps(block_h * 2 * block_half), **_COMPILE, **pdl_launch(q),
     )
     return q_out, k_out
-
-
-def rotary_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                     rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot/2]
-    return apply_rotary(q, cos, sin, rot_dim), apply_rotary(k, cos, sin, rot_dim)

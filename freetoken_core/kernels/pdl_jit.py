@@ -1,4 +1,4 @@
-"""The kernel side of freetoken_core/pdl.py, for the Triton kernel modules only (it imports Triton,
+"""The kernel side of kernels/pdl.py, for the Triton kernel modules only (it imports Triton,
 which CPU users never load)."""
 
 from __future__ import annotations

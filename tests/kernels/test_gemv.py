@@ -1,4 +1,4 @@
-"""One-row GEMV kernel (layers/triton_gemv.py) vs its plain-torch reference, and the Linear dispatch.
+"""One-row GEMV kernel (kernels/gemv.py) vs its plain-torch reference, and the Linear dispatch.
 
 CPU: under TRITON_INTERPRET=1 in fp32 and fp16 with small ragged shapes. GPU (skipped without
 CUDA): bf16 on Llama-3-8B projection shapes, and a Linear layer taking the kernel inside a CUDA graph.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_core.layers import triton_gemv
+from freetoken_core.kernels import gemv as triton_gemv
 from freetoken_core.layers.linear import GEMV_MIN_ELEMENTS, Linear, use_gemv_for_all_sizes
-from freetoken_core.layers.triton_gemv import gemv, gemv_reference, rows_gemm
+from freetoken_core.kernels.gemv import gemv, gemv_reference, rows_gemm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -1,11 +1,11 @@
-"""Programmatic dependent launch switch (freetoken_core/pdl.py): never on CPU or under the interpreter."""
+"""Programmatic dependent launch switch (freetoken_core/kernels/pdl.py): never on CPU or under the interpreter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from freetoken_core import pdl
+from freetoken_core.kernels import pdl
 
 
 def test_pdl_is_off_for_cpu_tensors():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_core.layers import triton_ops as ops
+from freetoken_core.kernels import fused_ops as ops
 from freetoken_core.layers.rotary import RotaryEmbedding
 
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -166,8 +166,8 @@ def test_gpu_rotary(dtype, head_dim, rot_dim, num_q, num_kv):
 @needs_cuda
 def test_gpu_layers_dispatch_to_fused_kernels():
     from freetoken_core.layers import RMSNorm, silu_and_mul
-    from freetoken_core.layers.activation import silu_and_mul_torch
-    from freetoken_core.layers.norm import rms_norm_torch
+    from freetoken_core.kernels.fused_ops_ref import silu_and_mul_torch
+    from freetoken_core.kernels.fused_ops_ref import rms_norm_torch
 
     assert ops.use_fused(torch.empty(1, device="cuda"))
     norm = RMSNorm(2048, 1e-5, torch.bfloat16).cuda()

@@ -1,0 +1,67 @@
+"""Every FREETOKEN_* kernel switch, declared once, typed, read once.
+
+The kernel modules and the layers that dispatch to them ask `kernel_env()` instead of reading
+`os.environ` themselves, so a switch means the same thing everywhere and is read at one moment.
+This file also decides `TRITON_INTERPRET`: Triton picks interpreted or compiled mode when it is
+first imported, and without a CUDA device its kernels run only under the interpreter
+(`configure_triton`, called by `freetoken_core/__init__.py` and by `kernels/__init__.py`).
+
+Only kernel switches live here. The `FREETOKEN_<FIELD>` overrides of `EngineConfig` fields (model
+path, dtype, batch sizes...) belong to the serving launcher (`serving/params.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, fields
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class KernelEnv:
+    """The kernel switches (each defaults to on; set to 0 to turn one off for an A/B run)."""
+
+    fused_ops: bool = True  # FREETOKEN_FUSED_OPS: fused RMSNorm / rotary / SiLU-and-mul Triton kernels
+    gemv: bool = True  # FREETOKEN_GEMV: the one-row GEMV and the multi-row verify GEMM
+    norm_gemv: bool = True  # FREETOKEN_NORM_GEMV: RMSNorm fused into the one-row QKV GEMV
+    pdl: bool = True  # FREETOKEN_PDL: programmatic dependent launch of the decode kernels (Hopper)
+    cpu_packed_linear: bool = True  # FREETOKEN_CPU_PACKED_LINEAR: oneDNN-prepacked CPU weights
+    fused_moe: bool = True  # FREETOKEN_FUSED_MOE: Triton fused-MoE kernels on CUDA (else the torch path)
+
+    @staticmethod
+    def variable(field_name: str) -> str:
+        return "FREETOKEN_" + field_name.upper()
+
+    @classmethod
+    def from_environ(cls) -> "KernelEnv":
+        return cls(**{f.name: _flag(cls.variable(f.name), f.default) for f in fields(cls)})
+
+
+@functools.cache
+def kernel_env() -> KernelEnv:
+    """The switches as the process started with them (read on first use, then fixed)."""
+    return KernelEnv.from_environ()
+
+
+def cuda_device_present() -> bool:
+    # Checked without initialising CUDA: this runs before anything imports triton.
+    return os.path.exists("/dev/nvidia0")
+
+
+def configure_triton() -> None:
+    """Turn on Triton's interpreter where there is no GPU (unless the user set TRITON_INTERPRET).
+    Must run before the first `import triton`; calling it again is harmless."""
+    if not cuda_device_present():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under the interpreter (CPU tensors; fp32/fp16 only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,23 @@
+"""Plain-torch references of `gemv.py` (fp32 accumulation, like the kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from .fused_ops_ref import rms_norm_torch, silu_and_mul_torch
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused path: (fused-add) RMSNorm, the linear layer, SiLU-and-mul when gated."""
+    h = x if residual is None else x + residual
+    y = gemv_reference(h if norm_weight is None else rms_norm_torch(h, norm_weight, eps), weight, bias)
+    return (silu_and_mul_torch(y) if gated else y), h

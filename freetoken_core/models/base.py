@@ -1,0 +1,89 @@
+"""What the engine needs from any causal LM, and the base class every architecture builds on.
+
+The engine sees four things: `forward(input_ids [T], positions [T]) -> hidden [T, H]` over the
+concatenated rows of a step, `lm_head.logits(hidden)`, `cache_specs()` (one spec per layer, from
+which it sizes its K/V pool and, on hybrid models, its linear-state pool) and `load_weights`.
+Nothing else: no reaching into `layers[0]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..attention.base import AttnLayout
+from ..kvcache.spec import LayerCacheSpec, attention_specs
+from ..layers import ParallelLMHead
+from .blocks import DecoderModel
+from .weights import WeightRule, load_checkpoint, packed_rules
+
+# The fused projections of every Llama-like block: checkpoint name -> (parameter name, shard).
+DENSE_PACKED = {
+    ".q_proj.": (".qkv_proj.", "q"),
+    ".k_proj.": (".qkv_proj.", "k"),
+    ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class CausalLM(nn.Module):
+    """A decoder stack (`self.model`, a DecoderModel) and its LM head. Subclasses build the layers
+    (`make_layer`) and may extend `weight_rules` and `skip_weight`."""
+
+    weight_rules: tuple[WeightRule, ...] = packed_rules(DENSE_PACKED)
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = DecoderModel(config, dtype, self.make_layer)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, dtype,
+            tied=self.model.embed_tokens if self.tie_word_embeddings else None,
+        )
+
+    def make_layer(self, layer_id: int, rotary: Any) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden rows [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    # --- what the engine sizes its state from ----------------------------------------------
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        return [layer.cache_spec() for layer in self.model.layers]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(attention_specs(self.cache_specs()))
+
+    def attn_layout(self) -> AttnLayout:
+        """The head layout shared by the attention layers (one K/V pool)."""
+        attn = attention_specs(self.cache_specs())
+        if not attn:
+            raise ValueError(f"{type(self).__name__} has no attention layer")
+        s = attn[0]
+        return AttnLayout(s.num_heads, s.num_kv_heads, s.head_dim, s.scale)
+
+    def ensure_positions(self, max_seq_len: int) -> None:
+        """Rotary tables cover max_position_embeddings; the engine calls this when it allows longer sequences."""
+        self.model.rotary_emb.ensure_positions(max_seq_len)
+
+    # --- weight loading ---------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the parameters; raise if any parameter is left unset."""
+        load_checkpoint(self, weights, self.weight_rules, self.skip_weight)
+
+    def skip_weight(self, name: str) -> bool:
+        if "rotary_emb.inv_freq" in name:
+            return True
+        # Some tied checkpoints still store lm_head.weight (a copy of the embedding).
+        return self.tie_word_embeddings and name == "lm_head.weight"

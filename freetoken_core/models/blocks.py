@@ -1,0 +1,135 @@
+"""Blocks shared by the decoder architectures: attention, the dense gated MLP, the decoder layer
+and the embed -> layers -> norm stack.
+
+A decoder layer calls `self.mlp(h)` without knowing whether the MLP is dense or a mixture of
+experts; an architecture file only picks the blocks per layer (`DecoderModel(config, make_layer)`).
+Attention reads the step's batch and backend from `get_context()`, so no block holds per-request
+state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..core import get_context
+from ..kvcache.spec import AttentionCacheSpec
+from ..layers import (
+    Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, rope_parameters, silu_and_mul,
+)
+from ..layers.norm_linear import norm_linear
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_silu(config: Any) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the paged K/V pool: fused q/k/v projection, optional per-head q/k
+    RMSNorm (Qwen3), rotary, the backend's paged attention, o_proj."""
+
+    def __init__(self, config: Any, kv_index: int, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.layer_id = kv_index  # the backend indexes the K/V pool by it
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  bias=qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.rotary = rotary  # shared by all layers (registered once, on the model)
+
+    @property
+    def in_proj(self) -> Linear:
+        """The projection the decoder layer runs fused with its input RMSNorm."""
+        return self.qkv_proj
+
+    def cache_spec(self) -> AttentionCacheSpec:
+        return AttentionCacheSpec(self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                                  self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The rest of the block after the fused QKV projection (the decoder layer runs that one
+        together with its RMSNorm)."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        ctx = get_context()
+        o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        return self.o_proj(o)
+
+
+class DenseMLP(nn.Module):
+    """down(silu(gate x) * up x), with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias, dtype=dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual layer: x + attn(norm(x)), then + mlp(norm(x)). The residual stream is
+    carried beside x so each norm adds it in the same kernel (vLLM/SGLang style)."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # the input norm runs fused with the QKV projection (one launch at batch-1 decode on CUDA)
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.in_proj, x, residual)
+        x = self.self_attn.attend(positions, qkv)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
+
+    def cache_spec(self) -> AttentionCacheSpec:
+        return self.self_attn.cache_spec()
+
+
+class DecoderModel(nn.Module):
+    """embed_tokens -> layers -> final norm. `make_layer(i, rotary)` builds layer i."""
+
+    def __init__(self, config: Any, dtype: torch.dtype,
+                 make_layer: Callable[[int, RotaryEmbedding], nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        # Not a submodule of each layer: one cos/sin table for the whole model.
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                          rope_parameters(config), dtype, config)
+        self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
