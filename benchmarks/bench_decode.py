@@ -4,7 +4,10 @@
                                       [--prompts 128,1024] [--out-tokens 256] [--model DIR] [--hf]
 
 Per row: tok/s, ms per decode step, and the fraction of the floor, where the floor of one step is
-(weight bytes read + KV bytes read) / device copy bandwidth measured in this run. Prefill: one
+(weight bytes read + KV bytes read) / device copy bandwidth measured in this run. On MoE shapes the
+weights read are the dense ones (attention, router, dense MLPs, LM head) plus the *distinct* experts
+the step's router chose in each layer, counted from its ids in a few extra eager steps of the same
+batch (`expert_usage`); prefill FLOPs count the active parameters (top-k experts per token). Prefill: one
 8192-token prompt against the bf16 matmul rate measured in this run. `--hf` adds transformers
 `generate` at batch 1 on the same shape. `--model DIR` runs a real checkpoint instead of a shape.
 """
@@ -38,6 +41,12 @@ SHAPES = {
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
                          rope_theta=100000.0, max_position_embeddings=8192, rms_norm_eps=1e-5),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
+                          rms_norm_eps=1e-6),
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
@@ -83,18 +92,69 @@ def matmul_rate(device: torch.device) -> float:
     return 2 * n**3 * 20 / (time.perf_counter() - t0)
 
 
-def weight_bytes_per_step(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes read per decode step, matmul params): every weight but the input embedding table
-    (only a few rows of it are read), unless it is tied to the LM head."""
-    total, embed = 0, 0
+def moe_blocks(model: torch.nn.Module) -> list:
+    try:
+        from freetoken_core.layers.moe import SparseMoeBlock
+    except ImportError:  # an older tree under A/B (ab_decode.py) has no MoE layer
+        return []
+
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def weight_bytes_per_step(model: torch.nn.Module, distinct_experts: float | None = None) -> tuple[int, int]:
+    """(bytes read per decode step, active matmul params per token).
+
+    Dense weights: all but the input embedding table (only a few rows of it are read), unless it is
+    tied to the LM head. Experts: `distinct_experts` per MoE layer (the mean number the step's
+    router touched; None counts every expert) for the bytes, top-k per token for the params."""
+    dense, embed = 0, 0
     for name, p in model.named_parameters():
+        if ".experts." in name:
+            continue
         b = p.numel() * p.element_size()
-        total += b
+        dense += b
         if "embed_tokens" in name:
             embed += b
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    read = total if tied else total - embed
-    return read, read // 2
+    read = dense if tied else dense - embed
+    params = read // 2
+    for block in moe_blocks(model):
+        ex = block.experts
+        per_expert = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
+        n = ex.num_experts if distinct_experts is None else distinct_experts
+        read += int(n * per_expert * ex.gate_up_proj.element_size())
+        params += block.top_k * per_expert
+    return read, params
+
+
+def expert_usage(sched: Scheduler, bs: int, prompt_len: int, steps: int = 6) -> float | None:
+    """Mean distinct experts per MoE layer per decode step for this batch size, counted from the
+    router's ids in `steps` eager decode steps (graph replays run no Python hooks)."""
+    blocks = moe_blocks(sched.engine.model)
+    if not blocks:
+        return None
+    counts: list[int] = []
+
+    def count(module, args):
+        counts.append(int(torch.unique(args[2]).numel()))  # StackedExperts(x, weights, ids)
+
+    g = torch.Generator().manual_seed(bs * 31 + prompt_len)
+    for _ in range(bs):
+        ids = torch.randint(10, sched.engine.vocab_size - 10, (prompt_len,), generator=g).tolist()
+        sched.add_request(ids, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    while any(r.cached_len < r.prompt_len for r in sched.running) or sched.waiting:
+        sched.step()
+    runner, sched.engine.graph_runner = sched.engine.graph_runner, None
+    hooks = [b.experts.register_forward_pre_hook(count) for b in blocks]
+    try:
+        while sched.has_work():
+            sched.step()
+    finally:
+        for h in hooks:
+            h.remove()
+        sched.engine.graph_runner = runner
+    decode = counts[-len(blocks) * steps:]  # the last steps are pure decode of the whole batch
+    return sum(decode) / max(len(decode), 1)
 
 
 def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int) -> tuple[float, int, int]:
@@ -170,26 +230,29 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
     wbytes, params = weight_bytes_per_step(sched.engine.model)
     shape = sched.engine.kv_cache.shape
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    print(f"weights read per step {wbytes / 1e9:.2f} GB; KV {kv_per_token / 1024:.0f} KiB/token; "
+    print(f"weights {wbytes / 1e9:.2f} GB (all experts); KV {kv_per_token / 1024:.0f} KiB/token; "
           f"copy bw {bw / 1e12:.2f} TB/s; matmul {mm / 1e12:.0f} TFLOP/s")
-    print("| model | bs | prompt | out | tok/s | ms/step | floor ms/step | % of floor |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | bs | prompt | out | tok/s | ms/step | distinct experts/layer | floor ms/step | % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|")
     run_decode(sched, 1, 16, 8)  # warm-up
     run_decode(sched, max(args.bs), 16, 4)
     for p in args.prompts:
         for bs in args.bs:
             dt, steps, tokens = run_decode(sched, bs, p, args.out_tokens)
+            distinct = expert_usage(sched, bs, p)
+            step_bytes, _ = weight_bytes_per_step(sched.engine.model, distinct)
             ms = dt / steps * 1e3
             avg_ctx = p + args.out_tokens / 2
             avg_bs = tokens / steps  # requests decoding per timed step
-            floor = (wbytes + avg_bs * avg_ctx * kv_per_token) / bw * 1e3
-            print(f"| {label} | {bs} | {p} | {args.out_tokens} | {tokens / dt:.0f} | {ms:.2f} | {floor:.2f} | "
-                  f"{100 * floor / ms:.0f}% |", flush=True)
+            floor = (step_bytes + avg_bs * avg_ctx * kv_per_token) / bw * 1e3
+            print(f"| {label} | {bs} | {p} | {args.out_tokens} | {tokens / dt:.0f} | {ms:.2f} | "
+                  f"{'-' if distinct is None else f'{distinct:.1f}'} | {floor:.2f} | {100 * floor / ms:.0f}% |", flush=True)
     if args.prefill:
         dt = run_prefill(sched, args.prefill)
         shape_cfg = sched.engine.model.config
         hd = sched.engine.model.attn_layout().head_dim
         attn_flops = 2 * shape_cfg.num_hidden_layers * shape_cfg.num_attention_heads * hd * args.prefill**2  # causal
+        # params: active ones (top-k experts per token on MoE shapes)
         flops = 2 * params * args.prefill + attn_flops
         print(f"prefill {args.prefill} tokens: {dt * 1e3:.0f} ms, {args.prefill / dt:.0f} tok/s, "
               f"{flops / dt / 1e12:.0f} TFLOP/s = {100 * flops / dt / mm:.0f}% of the measured matmul rate", flush=True)

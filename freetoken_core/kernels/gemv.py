@@ -173,6 +173,28 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, str
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+# Measured per weight shape (N, K) where the defaults leave bandwidth unused: with N/16 programs a
+# weight of few output rows fills the GPU's SMs only once. From `bench_gemv.py --shape qwen3-30b-a3b`
+# (and `--fused`) on the H200, 2026-12-01: o 2048 x 4096 6.2 -> 5.4 us, the fused-norm qkv
+# 5120 x 2048 8.9 -> 6.4 us. Shapes not listed keep the defaults their own sweeps chose.
+GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
+    (2048, 4096): dict(block_n=4, block_k=1024, num_warps=8, num_stages=4),
+}
+NORM_GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
+    (5120, 2048): dict(block_n=8, block_k=512, num_warps=4, num_stages=3),
+}
+
+
+def gemv_config(n: int, k: int) -> dict[str, int]:
+    return GEMV_CONFIGS.get((n, k)) or default_config(k)
+
+
+def norm_gemv_config(n: int, k: int) -> dict[str, int]:
+    # bench_gemv.py --fused on the H200: 16/512/4 warps/2 stages was best for the 8B QKV (and gate_up)
+    return NORM_GEMV_CONFIGS.get((n, k)) or dict(block_n=16, block_k=512 if k >= 4096 else 256, num_warps=4,
+                                                  num_stages=2)
+
+
 def default_config(k: int) -> dict[str, int]:
     """From the bench_gemv.py sweep on the H200 (Llama-3-8B shapes): 16 rows of W per program and
     long K steps with 8 warps were best for O and down and within a few % elsewhere."""
@@ -238,7 +260,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n = weight.shape[0]
     assert x.shape[0] == 1, f"gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
-    cfg = default_config(k)
+    cfg = gemv_config(n, k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -262,8 +284,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert norm_weight is None or norm_weight.shape == (k,)
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    # bench_gemv.py --fused on the H200: 16/512/4 warps/2 stages was best for the 8B QKV (and gate_up)
-    cfg = dict(block_n=16, block_k=512 if k >= 4096 else 256, num_warps=4, num_stages=2)
+    cfg = norm_gemv_config(n, k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if residual is not None:

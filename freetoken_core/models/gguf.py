@@ -117,7 +117,9 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         arch = gguf_architecture(gguf_path)
         if arch not in SUPPORTED_GGUF_ARCHS:
             raise ValueError(
-                f"{gguf_path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_GGUF_ARCHS)}"
+                f"{gguf_path}: GGUF architecture {arch!r} is not supported; convert-gguf supports the Llama family "
+                f"({', '.join(SUPPORTED_GGUF_ARCHS)}). For other models (Qwen3-MoE, Qwen3-Next, Qwen3.5/3.6, ...) "
+                f"load the Hugging Face safetensors checkpoint directory instead"
             )
         # We hold the lock, so any partial sibling is left over from a killed run: reclaim its space.
         for stale in out_dir.parent.glob(f".{out_dir.name}.partial*"):

@@ -54,6 +54,20 @@ def load_config(model_path: str | Path):
     return AutoConfig.from_pretrained(str(check_model_path(model_path)), local_files_only=True)
 
 
+def check_not_quantized(config, path: Path) -> None:
+    """Quantized checkpoints (FP8, GPTQ, AWQ, bitsandbytes, ...: many published Qwen3-MoE downloads)
+    are refused by name here, before any tensor is read, instead of failing on a missing weight."""
+    qc = getattr(config, "quantization_config", None)
+    if not qc:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    method = getattr(method, "value", method) or "an unnamed method"
+    raise ValueError(
+        f"{path}: the checkpoint is quantized ({method}, config.json quantization_config); freetoken_core loads "
+        f"bfloat16 / float16 / float32 checkpoints only: use the unquantized release of this model"
+    )
+
+
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -112,6 +126,7 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
     config = load_config(path)
+    check_not_quantized(config, path)
     cls = get_model_class(config)
     t0 = time.perf_counter()
     with torch.device(device):

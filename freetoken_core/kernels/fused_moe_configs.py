@@ -1,0 +1,121 @@
+"""Launch configurations of the fused-MoE kernels (`fused_moe.py`), per weight shape and batch size.
+
+Plain Python (no Triton import), like vLLM's per-device JSON files but a dict in the repo. Keys are
+(E, H, I, dtype name) with the dtype name as torch spells it ("bfloat16", "float16", "float32") or
+"default" for any dtype; each value maps a token count T to a grouped-GEMM config, and a lookup takes
+the bucket nearest to T (vLLM's rule).
+
+A grouped config holds the tile of both GEMMs: BLOCK_SIZE_M (rows of one expert's group: also the
+alignment of `moe_align_block_size`, so it must be shared by both), BLOCK_SIZE_N, BLOCK_SIZE_K,
+GROUP_SIZE_M, num_warps, num_stages. The first GEMM computes SiLU(gate) * up in one pass, so its
+BLOCK_SIZE_N counts output (act) columns and each program multiplies 2 * BLOCK_SIZE_N weight rows; an
+optional "down" dict overrides N/K/GROUP/warps/stages for the second GEMM.
+
+ENTRIES ARE TO BE SET BY MEASUREMENT ON THE H200 (benchmarks/bench_moe.py). The one shape below is
+seeded from vLLM's tuned H200 table for E=128, N=768 (its unfused kernel; BLOCK_SIZE_N halved for our
+gated first GEMM, which keeps its grid and its work per program the same), not swept here. One check on
+the H200 (bf16, k = 8, CUDA graph): within 2% of `default_grouped_config` for T <= 512 (T = 64: 289 us,
+4.1 TB/s of the distinct experts' bytes), 14% faster at T = 2048 (537 us vs 621 us).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..env import triton_interpreted
+
+Config = dict[str, Any]
+
+# T at or below this goes to the decode path (per-route GEMVs reading only the chosen experts); above
+# it, the grouped GEMM. A first look on the H200 (Qwen3-30B-A3B shape, bf16, k = 8, inside a CUDA
+# graph, decode tiles below): T = 1 decode 23.7 us vs grouped 31.4 us, T = 4 72.9 vs 87.6, T = 8 128.0
+# vs 131.0 (even; the decode path also keeps the PDL chain and needs 2 launches instead of 5).
+# To be confirmed by benchmarks/bench_moe.py.
+DECODE_MAX_TOKENS = 8
+
+
+def _seed(m: int, n: int, k: int, group: int, warps: int, stages: int) -> Config:
+    return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n // 2, BLOCK_SIZE_K=k, GROUP_SIZE_M=group, num_warps=warps,
+                num_stages=stages, down=dict(BLOCK_SIZE_N=n))
+
+
+GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
+    # Qwen3-30B-A3B (128 experts, hidden 2048, moe_intermediate 768): seeded, see the module docstring
+    (128, 2048, 768, "default"): {
+        1: _seed(16, 64, 64, 1, 4, 5),
+        8: _seed(16, 64, 128, 1, 4, 3),
+        16: _seed(16, 64, 256, 1, 4, 2),
+        32: _seed(16, 64, 128, 16, 4, 2),
+        64: _seed(16, 256, 128, 1, 8, 2),
+        128: _seed(16, 128, 128, 1, 4, 2),
+        256: _seed(32, 256, 128, 16, 4, 2),
+        512: _seed(64, 128, 64, 1, 4, 3),
+        1024: _seed(128, 256, 64, 16, 8, 4),
+        2048: _seed(128, 256, 64, 1, 8, 4),
+        4096: _seed(128, 256, 64, 16, 8, 4),
+    },
+}
+
+# Decode path: (E, H, I, dtype name) -> {"gate_up": ..., "down": ...}, each with BLOCK_N (output
+# columns per program), BLOCK_K, num_warps, num_stages. To be set by measurement on the H200.
+DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
+    # One sweep on the H200 (bf16, T = 1, k = 8, 16 routings cycled through all experts inside a CUDA
+    # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.
+    (128, 2048, 768, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
+                                  "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=2)},
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch.bfloat16 -> "bfloat16" (the table's spelling), without importing torch here."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _lookup(table: dict, e: int, h: int, i: int, dtype: Any) -> Any:
+    return table.get((e, h, i, dtype_name(dtype))) or table.get((e, h, i, "default"))
+
+
+def default_grouped_config(num_tokens: int) -> Config:
+    """Shape-agnostic defaults: small M tiles while most experts see few rows (each expert's group is
+    padded to BLOCK_SIZE_M), larger tiles and L2-friendly grouping once the groups fill up."""
+    if triton_interpreted():  # CPU tests: small tiles keep the interpreter fast; 16 is tl.dot's minimum
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=1)
+    if num_tokens <= 32:
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=3,
+                    down=dict(BLOCK_SIZE_N=64))
+    if num_tokens <= 256:
+        return dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
+                    down=dict(BLOCK_SIZE_N=128))
+    return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3,
+                down=dict(BLOCK_SIZE_N=128))
+
+
+def get_config(num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: Any) -> Config:
+    """The grouped-GEMM config for T = num_tokens: the table's nearest bucket, else the defaults."""
+    buckets = None if triton_interpreted() else _lookup(GROUPED_CONFIGS, num_experts, hidden, inter, dtype)
+    if not buckets:
+        return default_grouped_config(num_tokens)
+    return buckets[min(buckets, key=lambda t: abs(t - num_tokens))]
+
+
+def down_config(config: Config) -> Config:
+    """The second GEMM's config: the first's with its "down" overrides (BLOCK_SIZE_M stays shared)."""
+    down = {k: v for k, v in config.items() if k != "down"}
+    down.update(config.get("down", {}))
+    if down["BLOCK_SIZE_M"] != config["BLOCK_SIZE_M"]:
+        raise ValueError("the down GEMM must use the gate/up GEMM's BLOCK_SIZE_M (the alignment block)")
+    return down
+
+
+def get_decode_config(num_experts: int, hidden: int, inter: int, dtype: Any) -> dict[str, Config]:
+    """The decode path's GEMV tiles: each program owns BLOCK_N output columns of one route and streams
+    that expert's rows over the whole K in BLOCK_K steps, reducing once at the end (as kernels/gemv.py)."""
+    found = None if triton_interpreted() else _lookup(DECODE_CONFIGS, num_experts, hidden, inter, dtype)
+    if found:
+        return found
+    if triton_interpreted():
+        tile = dict(BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+        return {"gate_up": tile, "down": tile}
+    # the Qwen3-30B-A3B measurement above: small BLOCK_N gives many programs, each streaming whole rows
+    return {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
+            "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=2)}

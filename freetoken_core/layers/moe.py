@@ -1,0 +1,96 @@
+"""Mixture-of-experts layers: the top-k softmax router and the stacked experts.
+
+Experts are stacked into two weights per layer, the layout of the fused kernels
+(`kernels/fused_moe.py`) and of transformers 5's in-memory experts:
+  gate_up_proj [E, 2I, H]  rows [gate | up] of each expert, gate first
+  down_proj    [E, H, I]
+Checkpoints store them either one expert at a time (`experts.{e}.gate_proj.weight`, ...) or already
+stacked (`experts.gate_up_proj`, `experts.down_proj`); `weight_loader` fills both layouts, so a
+model's weight rules only name the expert index and the shard.
+
+On CUDA (half precision or fp32) the Triton kernels run the router's top-k and the experts inside
+CUDA graphs; everywhere else (and with FREETOKEN_FUSED_MOE=0) the plain-torch reference, which
+equals transformers' eager experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..env import kernel_env
+from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref
+from .linear import Linear, copy_checked
+
+
+def use_fused_moe(x: torch.Tensor) -> bool:
+    return kernel_env().fused_moe and x.is_cuda
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, E] logits -> (fp32 weights [T, k], int32 expert ids [T, k]): softmax in fp32, top-k,
+    renormalised over the k only when the model says so (Qwen3-MoE's `norm_topk_prob`)."""
+    if use_fused_moe(router_logits):
+        from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
+
+        return fused_moe.topk_softmax(router_logits, top_k, renormalize)
+    return topk_softmax_ref(router_logits, top_k, renormalize)
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts `down(silu(gate x) * up x)` held as [E, ...] weights."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
+        if use_fused_moe(x):
+            from ..kernels import fused_moe
+
+            return fused_moe.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    # --- loading (models/weights.py) ----------------------------------------------------------
+    def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:
+        if param is self.gate_up_proj:
+            return [(e, s) for e in range(self.num_experts) for s in (0, 1)]
+        return [(e, None) for e in range(self.num_experts)]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None,
+                      expert: int | None = None) -> list[tuple[int, int | None]]:
+        """One expert's gate (shard 0), up (shard 1) or down weight, or (expert None) the whole stack."""
+        if expert is None:
+            copy_checked(param.data, loaded)
+            return self.load_units(param)
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert index {expert} is out of range: the model has {self.num_experts} experts")
+        dst = param.data[expert]
+        if param is self.gate_up_proj:
+            if shard not in (0, 1):
+                raise ValueError(f"gate_up_proj takes shard 0 (gate) or 1 (up), got {shard!r}")
+            dst = dst.narrow(0, shard * self.intermediate_size, self.intermediate_size)
+        copy_checked(dst, loaded)
+        return [(expert, shard if param is self.gate_up_proj else None)]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, a [E, H] linear layer) -> top-k -> stacked experts. Called like a dense MLP."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 renormalize: bool, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)

@@ -1,0 +1,305 @@
+"""Fused-MoE kernels against their plain-torch references (CPU: Triton's interpreter, fp32/fp16, tiny
+shapes), the reference against transformers' own Qwen3-MoE block, and on CUDA: bf16 at Qwen3-30B-A3B's
+expert shape and CUDA-graph capture and replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from freetoken_core.kernels.fused_moe import (
+    fused_moe,
+    fused_moe_decode,
+    fused_moe_grouped,
+    moe_align_block_size,
+    topk_softmax,
+)
+from freetoken_core.kernels.fused_moe_configs import (
+    DECODE_MAX_TOKENS,
+    down_config,
+    get_config,
+    get_decode_config,
+)
+from freetoken_core.kernels.fused_moe_ref import fused_moe_ref, moe_align_block_size_ref, topk_softmax_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2),
+       torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def make_experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int = 0,
+                 device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random w13 [E, 2I, H] (gate first) and w2 [E, H, I], scaled so activations stay O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5
+    return w13.to(device, dtype), w2.to(device, dtype)
+
+
+def make_routing(num_tokens: int, num_experts: int, top_k: int, renormalize: bool = True, seed: int = 1,
+                 device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference routing from wide random logits (no near-ties)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = 3.0 * torch.randn(num_tokens, num_experts, generator=g)
+    return topk_softmax_ref(logits.to(device), top_k, renormalize)
+
+
+def fixed_routing(ids: list[list[int]], device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hand-written routing (all tokens to one expert, ...) with random positive weights."""
+    topk_ids = torch.tensor(ids, dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    weights = torch.rand(topk_ids.shape, generator=g) + 0.1
+    return weights.to(device), topk_ids.to(device)
+
+
+def random_x(num_tokens: int, hidden: int, dtype: torch.dtype, seed: int = 3, device: str = DEVICE) -> torch.Tensor:
+    return torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
+
+
+# ------------------------------------------------------------------------------------------- router
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 1), (8, 2), (16, 8), (60, 4)])
+def test_topk_softmax_matches_reference(num_experts: int, top_k: int, renormalize: bool, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(num_experts * 10 + top_k)
+    logits = (3.0 * torch.randn(19, num_experts, generator=g)).to(DEVICE, dtype)
+    weights, ids = topk_softmax(logits, top_k, renormalize)
+    ref_weights, ref_ids = topk_softmax_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- alignment
+
+
+ALIGN_CASES = {
+    "ragged": (13, 2, 8, 16, None),
+    "many-chunks": (300, 4, 16, 16, None),  # 1200 routes: more than one 1024-wide chunk per program
+    "all-to-one-expert": (9, 1, 8, 16, [[3]] * 9),
+    "two-experts-only": (5, 2, 8, 4, [[5, 3], [3, 5], [5, 3], [3, 5], [5, 3]]),
+    "block-of-one": (6, 2, 4, 1, None),
+}
+
+
+@pytest.mark.parametrize("case", list(ALIGN_CASES))
+def test_moe_align_block_size_matches_reference(case: str):
+    num_tokens, top_k, num_experts, block, ids = ALIGN_CASES[case]
+    topk_ids = (fixed_routing(ids)[1] if ids is not None
+                else make_routing(num_tokens, num_experts, top_k)[1])
+    got = moe_align_block_size(topk_ids, block, num_experts)
+    want = moe_align_block_size_ref(topk_ids, block, num_experts)
+    for name, g, w in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, want):
+        assert g.dtype == torch.int32 and torch.equal(g, w), name
+    sorted_ids, expert_ids, total = want
+    flat = topk_ids.reshape(-1).long()
+    used = sorted_ids[: int(total)]
+    real = used[used < flat.numel()].long()
+    assert torch.equal(real.sort().values, torch.arange(flat.numel(), device=real.device))  # each route once
+    block_of = expert_ids.repeat_interleave(block)[: int(total)]
+    assert torch.equal(flat[real], block_of[used < flat.numel()].long())  # in its expert's block
+
+
+def test_moe_align_accepts_int64_ids():
+    _, ids = make_routing(11, 8, 2)
+    got = moe_align_block_size(ids.long(), 16, 8)
+    for g, w in zip(got, moe_align_block_size_ref(ids, 16, 8)):
+        assert torch.equal(g, w)
+
+
+# ------------------------------------------------------------------------------------ fused MoE paths
+
+
+GROUPED_CASES = {  # T, E, k, H, I, routing (None: random)
+    "ragged-T": (13, 8, 2, 64, 32, None),
+    "top8-E16": (40, 16, 8, 128, 96, None),
+    "uneven-K-and-N": (21, 8, 4, 72, 40, None),  # neither K is a multiple of BLOCK_SIZE_K, nor I of N
+    "top1-idle-experts": (7, 16, 1, 64, 32, None),
+    "all-to-one-expert": (17, 8, 1, 64, 32, [[3]] * 17),
+    "two-experts-only": (9, 8, 2, 64, 32, [[6, 1], [1, 6]] * 4 + [[6, 1]]),
+}
+
+
+def _routing_for(case: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, num_experts, top_k, _, _, ids = case
+    return fixed_routing(ids) if ids is not None else make_routing(num_tokens, num_experts, top_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(GROUPED_CASES))
+def test_fused_moe_grouped_matches_reference(case: str, dtype: torch.dtype):
+    num_tokens, num_experts, _, hidden, inter, _ = GROUPED_CASES[case]
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    weights, ids = _routing_for(GROUPED_CASES[case])
+    x = random_x(num_tokens, hidden, dtype)
+    out = fused_moe_grouped(x, w13, w2, weights, ids)
+    assert out.shape == x.shape and out.dtype == dtype
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_fused_moe_grouped_explicit_config(block_m: int):
+    """Grouped program order (GROUP_SIZE_M > 1), a "down" override and a larger alignment block."""
+    config = dict(BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=4, num_warps=4,
+                  num_stages=1, down=dict(BLOCK_SIZE_N=32, BLOCK_SIZE_K=64))
+    w13, w2 = make_experts(8, 64, 40, torch.float32)
+    weights, ids = make_routing(19, 8, 2)
+    x = random_x(19, 64, torch.float32)
+    torch.testing.assert_close(fused_moe_grouped(x, w13, w2, weights, ids, config=config),
+                               fused_moe_ref(x, w13, w2, weights, ids), **TOL[torch.float32])
+
+
+DECODE_CASES = {  # T, E, k, H, I
+    "batch1-top1": (1, 8, 1, 64, 32),
+    "batch1-top8": (1, 16, 8, 64, 48),
+    "batch3-top2-uneven-K": (3, 8, 2, 72, 40),
+    "batch4-top4": (4, 8, 4, 64, 32),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_fused_moe_decode_matches_reference(case: str, dtype: torch.dtype):
+    num_tokens, num_experts, top_k, hidden, inter = DECODE_CASES[case]
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    weights, ids = make_routing(num_tokens, num_experts, top_k, renormalize=False)
+    x = random_x(num_tokens, hidden, dtype)
+    out = fused_moe_decode(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL[dtype])
+
+
+def test_fused_moe_decode_all_routes_to_one_expert():
+    w13, w2 = make_experts(8, 64, 32, torch.float32)
+    weights, ids = fixed_routing([[2], [2], [2]])
+    x = random_x(3, 64, torch.float32)
+    torch.testing.assert_close(fused_moe_decode(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_tokens", [DECODE_MAX_TOKENS, DECODE_MAX_TOKENS + 1])
+def test_fused_moe_dispatch_either_side_of_the_threshold(num_tokens: int):
+    w13, w2 = make_experts(8, 64, 32, torch.float32)
+    weights, ids = make_routing(num_tokens, 8, 2)
+    x = random_x(num_tokens, 64, torch.float32)
+    ref = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), ref, **TOL[torch.float32])
+    configs = dict(config=get_config(8, 64, 32, num_tokens, x.dtype),
+                   decode_config=get_decode_config(8, 64, 32, x.dtype))
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids, **configs), ref, **TOL[torch.float32])
+
+
+def test_router_and_experts_end_to_end_fp16():
+    """topk_softmax feeding the grouped path, renormalize off (Qwen3's class default)."""
+    w13, w2 = make_experts(16, 64, 32, torch.float16)
+    x = random_x(24, 64, torch.float16)
+    logits = (3.0 * torch.randn(24, 16, generator=torch.Generator().manual_seed(5))).to(DEVICE, torch.float16)
+    weights, ids = topk_softmax(logits, 4, False)
+    ref = fused_moe_ref(x, w13, w2, *topk_softmax_ref(logits, 4, False))
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), ref, **TOL[torch.float16])
+
+
+def test_empty_batch():
+    w13, w2 = make_experts(8, 64, 32, torch.float32)
+    x = torch.empty(0, 64, device=DEVICE)
+    weights, ids = torch.empty(0, 2, device=DEVICE), torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
+    assert fused_moe_grouped(x, w13, w2, weights, ids).shape == (0, 64)
+    assert fused_moe_decode(x, w13, w2, weights, ids).shape == (0, 64)
+    assert fused_moe_ref(x, w13, w2, weights, ids).shape == (0, 64)
+    for g, w in zip(moe_align_block_size(ids, 16, 8), moe_align_block_size_ref(ids, 16, 8)):
+        assert torch.equal(g, w)
+
+
+def test_configs_share_the_alignment_block():
+    for num_tokens in (1, 8, 64, 512, 4096):
+        cfg = get_config(128, 2048, 768, num_tokens, torch.bfloat16)
+        assert down_config(cfg)["BLOCK_SIZE_M"] == cfg["BLOCK_SIZE_M"] >= 16
+
+
+# ------------------------------------------------------------------------------ against transformers
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_reference_equals_transformers_qwen3_moe_block(norm_topk_prob: bool):
+    """Same stacked weights, fp32: topk_softmax_ref + fused_moe_ref give transformers' output bit for bit."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=norm_topk_prob, experts_implementation="eager")
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config).eval()
+    experts = block.experts
+    assert experts.gate_up_proj.shape == (8, 64, 64) and experts.down_proj.shape == (8, 64, 32)  # [E,2I,H], [E,H,I]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(block.gate.weight.shape, generator=g))  # std 1: wide logits, no near-ties
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) / 8)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) / 32 ** 0.5)
+        x = torch.randn(24, 64, generator=g)
+        want = block(x[None])[0]
+        weights, ids = topk_softmax_ref(F.linear(x, block.gate.weight), 2, norm_topk_prob)
+        got = fused_moe_ref(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------------------------------ GPU only
+
+QWEN3_30B = (128, 2048, 768, 8)  # E, H, I, k
+
+
+def distinct_logits(num_tokens: int, num_experts: int, seed: int) -> torch.Tensor:
+    """bf16 router logits with no ties: random bf16 normals tie often (8-bit mantissa), and a tie is
+    ordered differently by torch.topk on CUDA. Each row is a permutation of i / 16 (exact in bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(num_experts, generator=g) for _ in range(num_tokens)]
+    return (torch.stack(rows).float() / 16 - 4).cuda().bfloat16()
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512])
+def test_bf16_qwen3_30b_shape(num_tokens: int):
+    num_experts, hidden, inter, top_k = QWEN3_30B
+    w13, w2 = make_experts(num_experts, hidden, inter, torch.bfloat16)
+    x = random_x(num_tokens, hidden, torch.bfloat16)
+    logits = distinct_logits(num_tokens, num_experts, seed=4)
+    weights, ids = topk_softmax(logits, top_k, True)
+    ref_weights, ref_ids = topk_softmax_ref(logits, top_k, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)  # fp32 math on the bf16 values
+    for path in (fused_moe_grouped, fused_moe_decode) if num_tokens <= 8 else (fused_moe_grouped, fused_moe):
+        torch.testing.assert_close(path(x, w13, w2, weights, ids).float(), ref, **TOL[torch.bfloat16])
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_cuda_graph_capture_and_replay(num_tokens: int):
+    """Router + experts captured once, replayed on new inputs written into the static buffers."""
+    num_experts, hidden, inter, top_k = QWEN3_30B
+    w13, w2 = make_experts(num_experts, hidden, inter, torch.bfloat16)
+    x = random_x(num_tokens, hidden, torch.bfloat16)
+    logits = torch.randn(num_tokens, num_experts, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return fused_moe(x, w13, w2, *topk_softmax(logits, top_k, True))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph compiles the kernels
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (10, 11):
+        x.copy_(torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(seed)))
+        logits.copy_(distinct_logits(num_tokens, num_experts, seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, step(), rtol=0, atol=0)  # the same kernels eagerly: identical
+        ref = fused_moe_ref(x.float(), w13.float(), w2.float(), *topk_softmax_ref(logits, top_k, True))
+        torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
