@@ -47,6 +47,17 @@ SHAPES = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
                           tie_word_embeddings=False, rope_theta=1000000.0, max_position_embeddings=40960,
                           rms_norm_eps=1e-6),
+    # text-only form of Qwen3.6-35B-A3B: 30 GDN + 10 gated-attention layers, 256 experts top-8 + a shared expert
+    "qwen3.6-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", hidden_size=2048,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                            layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+                            num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, vocab_size=248320, tie_word_embeddings=False,
+                            max_position_embeddings=262144, rms_norm_eps=1e-6,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                             "partial_rotary_factor": 0.25}),
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
@@ -230,6 +241,11 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
     wbytes, params = weight_bytes_per_step(sched.engine.model)
     shape = sched.engine.kv_cache.shape
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    pool = getattr(sched.engine, "linear_pool", None)
+    state_bytes = 0  # hybrid models: each request's GDN states are read and written once per step
+    if pool is not None:
+        state_bytes = 2 * pool.nbytes // pool.num_slots
+        print(f"linear state {state_bytes / 2 / 2**20:.1f} MiB per request (read + written every step)")
     print(f"weights {wbytes / 1e9:.2f} GB (all experts); KV {kv_per_token / 1024:.0f} KiB/token; "
           f"copy bw {bw / 1e12:.2f} TB/s; matmul {mm / 1e12:.0f} TFLOP/s")
     print("| model | bs | prompt | out | tok/s | ms/step | distinct experts/layer | floor ms/step | % of floor |")
@@ -244,14 +260,15 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
             ms = dt / steps * 1e3
             avg_ctx = p + args.out_tokens / 2
             avg_bs = tokens / steps  # requests decoding per timed step
-            floor = (step_bytes + avg_bs * avg_ctx * kv_per_token) / bw * 1e3
+            floor = (step_bytes + avg_bs * (avg_ctx * kv_per_token + state_bytes)) / bw * 1e3
             print(f"| {label} | {bs} | {p} | {args.out_tokens} | {tokens / dt:.0f} | {ms:.2f} | "
                   f"{'-' if distinct is None else f'{distinct:.1f}'} | {floor:.2f} | {100 * floor / ms:.0f}% |", flush=True)
     if args.prefill:
         dt = run_prefill(sched, args.prefill)
         shape_cfg = sched.engine.model.config
         hd = sched.engine.model.attn_layout().head_dim
-        attn_flops = 2 * shape_cfg.num_hidden_layers * shape_cfg.num_attention_heads * hd * args.prefill**2  # causal
+        n_attn = getattr(sched.engine.model, "num_kv_layers", shape_cfg.num_hidden_layers)  # full-attention layers only
+        attn_flops = 2 * n_attn * shape_cfg.num_attention_heads * hd * args.prefill**2  # causal
         # params: active ones (top-k experts per token on MoE shapes)
         flops = 2 * params * args.prefill + attn_flops
         print(f"prefill {args.prefill} tokens: {dt * 1e3:.0f} ms, {args.prefill / dt:.0f} tok/s, "

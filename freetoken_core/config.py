@@ -100,6 +100,7 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # k: draft tokens per verify step (k + 1 rows per request)
     ngram_max: int = 3
     ngram_min: int = 1
+    linear_state_dtype: str = "float32"  # hybrid (GDN) models: recurrent state dtype, float32 | bfloat16
 
     def validate(self) -> None:
         if self.speculative not in (None, "ngram"):
@@ -121,5 +122,7 @@ class EngineConfig:
             raise ValueError(f"decode_rows_per_req must be >= 1, got {self.decode_rows_per_req}")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.linear_state_dtype not in ("float32", "fp32", "bfloat16", "bf16"):
+            raise ValueError(f"linear_state_dtype must be float32 or bfloat16, got {self.linear_state_dtype!r}")
         if not (0.0 < self.memory_fraction <= 1.0):
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

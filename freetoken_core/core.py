@@ -174,7 +174,10 @@ class Context:
     kv_cache: "KVCache"
     attn_backend: "AttnBackend"
     batch: Batch | None = None
+    # Under it, a layer with per-request state (GDN) must not touch the target's: it uses the
+    # `linear_state` the override brings (a draft's own) and refuses to run without one.
     hide_target_state: bool = False
+    linear_state: Any = None  # kvcache.linear_state.LinearStateStep of hybrid models, set per step
 
     @contextlib.contextmanager
     def override(self, **changes: Any) -> Iterator["Context"]:

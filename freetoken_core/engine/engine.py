@@ -10,6 +10,7 @@ import torch
 from ..attention import AttnBackend, create_backend
 from ..config import EngineConfig
 from ..core import Batch, Context, Phase, Req, set_context, to_device
+from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep, slot_of_row
 from ..kvcache.manager import CacheManager, pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
 from ..layers.linear import use_gemv_for_all_sizes
@@ -61,6 +62,11 @@ class Engine:
         self.max_req_len = self.max_seq_len - (config.decode_rows_per_req - 1)
         layout = self.model.attn_layout()  # from the model's per-layer cache specs
         shape = KVCacheShape(self.model.num_kv_layers, layout.num_kv_heads, layout.head_dim, config.page_size, self.dtype)
+        # hybrid models: the GDN layers' per-request states first (a slot per page-table row, +1 dummy),
+        # then the K/V pages take what is left of the budget
+        self.linear_pool = self._linear_state_pool()
+        self._graph_linear_steps: dict[tuple[int, int], LinearStateStep] = {}
+        self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape)
         self.kv_cache = KVCache(shape, num_pages, self.device)
         self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device)
@@ -80,6 +86,73 @@ class Engine:
             config.model_path, self.device, self.dtype, num_pages - 1, config.page_size, self.max_seq_len,
             self.attn_backend.info.name,
         )
+
+    def _linear_state_pool(self) -> LinearStatePool | None:
+        specs = self.model.linear_state_specs() if hasattr(self.model, "linear_state_specs") else []
+        if not specs:
+            return None
+        state_dtype = STATE_DTYPES[self.config.linear_state_dtype]
+        slots = self.config.max_running_req + 1
+        pool = LinearStatePool(specs, slots, self.dtype, state_dtype, self.device)
+        log.info("linear-state pool: %d GDN layers x %d slots (%d requests + 1 dummy), %.1f MiB per request, "
+                 "%.2f GiB in all (%s recurrent state); the K/V pages get the rest of the budget",
+                 len(specs), slots, slots - 1, LinearStatePool.bytes_per_slot(specs, self.dtype, state_dtype) / 2**20,
+                 pool.nbytes / 2**30, self.config.linear_state_dtype)
+        return pool
+
+    def linear_state_step(self, batch: Batch) -> LinearStateStep | None:
+        """The GDN layers' metadata for this batch: uniform rows (decode, verify) or varlen (prefill)."""
+        if self.linear_pool is None:
+            return None
+        dummy = self.cache.dummy_row
+        slots = [slot_of_row(r.table_row, dummy) for r in batch.reqs]
+        rows = batch.rows_per_req
+        uniform = batch.phase in ("decode", "verify") and all(n == rows for n in batch.extend_lens)
+        if uniform:
+            dev = to_device([slots, [rows] * len(slots)], torch.int64, self.device)
+            return LinearStateStep(self.linear_pool, dev[0], varlen=False, num_rows=dev[1], rows_per_req=rows,
+                                   write_state=batch.phase != "verify")
+        cu = [0]
+        for n in batch.extend_lens:
+            cu.append(cu[-1] + n)
+        dev = to_device([slots, cu[1:], [int(p == 0) for p in batch.prefix_lens]], torch.int64, self.device)
+        cu_seqlens = torch.cat([dev[1].new_zeros(1), dev[1]])
+        return LinearStateStep(self.linear_pool, dev[0], varlen=True, cu_seqlens=cu_seqlens,
+                               initial_zero=dev[2].bool())
+
+    def _graph_linear_state(self, batch: Batch) -> None:
+        """GraphRunner hook (capture and replay): the graph of each (rows, size) reads its slots and
+        row counts from static buffers, refilled here before every replay."""
+        if self.linear_pool is None:
+            return
+        rows, bs = batch.rows_per_req, batch.padded_size or batch.size
+        key = (rows, bs)
+        step = self._graph_linear_steps.get(key)
+        if step is None:
+            step = LinearStateStep(self.linear_pool, torch.zeros(bs, dtype=torch.int64, device=self.device),
+                                   varlen=False, num_rows=torch.full((bs,), rows, dtype=torch.int64, device=self.device),
+                                   rows_per_req=rows, write_state=batch.phase != "verify")
+            self._graph_linear_steps[key] = step
+        dummy = self.cache.dummy_row
+        slots = [slot_of_row(r.table_row, dummy) for r in batch.reqs] + [0] * (bs - batch.size)
+        step.slot_ids.copy_(to_device(slots, torch.int64, self.device), non_blocking=True)
+        self.ctx.linear_state = step
+        if batch.phase == "verify":
+            self.last_verify_state = step
+
+    @torch.inference_mode()
+    def commit_verify(self, kept_rows: list[int]) -> None:
+        """After a verify step: advance every GDN state by each request's kept rows (the tokens now
+        cached), replaying the verify step's saved inputs (kvcache/linear_state.py)."""
+        st = self.last_verify_state
+        if st is None or self.linear_pool is None:
+            return
+        n = st.slot_ids.shape[0]
+        kept = to_device(list(kept_rows) + [0] * (n - len(kept_rows)), torch.int64, self.device)
+        for layer in self.model.modules():
+            if hasattr(layer, "replay_accepted"):
+                layer.replay_accepted(st, kept)
+        self.last_verify_state = None
 
     def _num_pages(self, shape: KVCacheShape) -> int:
         cfg = self.config
@@ -101,7 +174,8 @@ class Engine:
         max_bs = min(self.config.cuda_graph_max_bs or self.config.max_running_req, self.config.max_running_req)
         self.graph_runner = GraphRunner(
             self.ctx, self._logits_of_all_rows, default_bs_list(max_bs), self.cache.dummy_row,
-            self.max_seq_len, self.device, rows_per_req=1,
+            self.max_seq_len, self.device, rows_per_req=1, batch_hook=self._graph_linear_state,
+            replay_hook=self._graph_linear_state,
         )
         self.graph_runner.capture()
         rows = self.config.decode_rows_per_req
@@ -113,6 +187,7 @@ class Engine:
             self.verify_graph_runner = GraphRunner(
                 self.ctx, self._logits_of_all_rows, default_bs_list(max_bs), self.cache.dummy_row,
                 self.max_seq_len, self.device, rows_per_req=rows, pool=self.graph_runner.pool,
+                batch_hook=self._graph_linear_state, replay_hook=self._graph_linear_state,
             )
             self.verify_graph_runner.capture()
 
@@ -168,6 +243,10 @@ class Engine:
 
         `override` swaps Context fields for this call (a draft model on its own KV pool/backend)."""
         self.cache.flush()
+        if self.linear_pool is not None and "linear_state" not in override:
+            override["linear_state"] = self.linear_state_step(batch)
+            if batch.phase == "verify":
+                self.last_verify_state = override["linear_state"]
         with self.ctx.override(batch=batch, **override) as ctx:
             set_context(ctx)
             try:

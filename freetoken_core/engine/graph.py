@@ -48,6 +48,7 @@ class GraphRunner:
         ctx_override: dict[str, Any] | None = None,
         batch_hook: Callable[[Batch], None] | None = None,
         pool: Any = None,
+        replay_hook: Callable[[Batch], None] | None = None,
     ) -> None:
         if rows_per_req != 1 and phase == "decode":
             phase = "verify"
@@ -60,7 +61,8 @@ class GraphRunner:
         self.dummy_row = dummy_row
         self.out_dtype = out_dtype
         self.ctx_override = ctx_override or {}
-        self.batch_hook = batch_hook
+        self.batch_hook = batch_hook  # at capture, with the static batch
+        self.replay_hook = replay_hook  # before each replay, with the real (padded) batch
         self.device = device
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         n = self.max_bs * rows_per_req
@@ -156,5 +158,7 @@ class GraphRunner:
             self.out_loc[real:rows].fill_(DUMMY_PAGE)
         batch.padded_size = bs
         self.backend.prepare_for_replay(batch)
+        if self.replay_hook:
+            self.replay_hook(batch)
         self.graphs[bs].replay()
         return self.outputs[bs][:real]

@@ -21,7 +21,29 @@ class AttentionCacheSpec:
     scale: float
 
 
-LayerCacheSpec = AttentionCacheSpec  # the union grows with the linear-state spec
+@dataclass(frozen=True)
+class LinearStateSpec:
+    """A gated-delta-net layer: a fixed-size state per request (no pages), at index `state_index`
+    of the linear-state pool: a conv state [conv_dim, conv_kernel - 1] and a recurrent state
+    [num_v_heads, head_k_dim, head_v_dim]."""
+
+    state_index: int
+    conv_dim: int
+    conv_kernel: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+
+LayerCacheSpec = AttentionCacheSpec | LinearStateSpec
+
+
+def linear_state_specs(specs: list[LayerCacheSpec]) -> list[LinearStateSpec]:
+    out = sorted((s for s in specs if isinstance(s, LinearStateSpec)), key=lambda s: s.state_index)
+    if [s.state_index for s in out] != list(range(len(out))):
+        raise ValueError(f"linear-state layers must number their states 0..{len(out) - 1}, got "
+                         f"{[s.state_index for s in out]}")
+    return out
 
 
 def attention_specs(specs: list[LayerCacheSpec]) -> list[AttentionCacheSpec]:

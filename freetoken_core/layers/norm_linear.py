@@ -27,7 +27,7 @@ def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.
     if gated and not (isinstance(linear, MergedLinear) and len(linear.out_sizes) == 2
                       and linear.out_sizes[0] == linear.out_sizes[1]):
         raise ValueError("gated norm_linear needs a [gate | up] MergedLinear of two equal halves")
-    if FUSED and x.is_cuda:
+    if FUSED and x.is_cuda and type(norm) is RMSNorm:  # the Llama rounding the kernel implements
         from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
 
         # not for the gated MLP: there the fused kernel measured slower than the three it would

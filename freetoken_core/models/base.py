@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..attention.base import AttnLayout
-from ..kvcache.spec import LayerCacheSpec, attention_specs
-from ..layers import ParallelLMHead
+from ..kvcache.spec import LayerCacheSpec, LinearStateSpec, attention_specs, linear_state_specs
+from ..layers import ParallelLMHead, RMSNorm
 from .blocks import DecoderModel
 from .weights import WeightRule, load_checkpoint, packed_rules
 
@@ -34,12 +34,13 @@ class CausalLM(nn.Module):
     (`make_layer`) and may extend `weight_rules` and `skip_weight`."""
 
     weight_rules: tuple[WeightRule, ...] = packed_rules(DENSE_PACKED)
+    norm_cls: type[nn.Module] = RMSNorm  # the final norm's (and the blocks', by default) class
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = DecoderModel(config, dtype, self.make_layer)
+        self.model = DecoderModel(config, dtype, self.make_layer, self.norm_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(
             config.vocab_size, config.hidden_size, dtype,
@@ -64,6 +65,9 @@ class CausalLM(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         return len(attention_specs(self.cache_specs()))
+
+    def linear_state_specs(self) -> list[LinearStateSpec]:
+        return linear_state_specs(self.cache_specs())
 
     def attn_layout(self) -> AttnLayout:
         """The head layout shared by the attention layers (one K/V pool)."""

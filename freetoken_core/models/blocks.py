@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..core import get_context
-from ..kvcache.spec import AttentionCacheSpec
+from ..kvcache.spec import AttentionCacheSpec, LayerCacheSpec
 from ..layers import (
     Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, rope_parameters, silu_and_mul,
 )
@@ -36,18 +36,22 @@ class Attention(nn.Module):
     """GQA self-attention over the paged K/V pool: fused q/k/v projection, optional per-head q/k
     RMSNorm (Qwen3), rotary, the backend's paged attention, o_proj."""
 
+    fuses_input_norm = True  # the decoder layer runs its input RMSNorm fused with qkv_proj
+
     def __init__(self, config: Any, kv_index: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False) -> None:
+                 qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False,
+                 norm_cls: type[nn.Module] = RMSNorm, q_outputs_per_head: int = 1) -> None:
         super().__init__()
         self.layer_id = kv_index  # the backend indexes the K/V pool by it
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                                  bias=qkv_bias, dtype=dtype)
+        # q_outputs_per_head 2: q_proj emits [q | gate] per head (gated attention)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads * q_outputs_per_head, self.num_kv_heads,
+                                  self.head_dim, bias=qkv_bias, dtype=dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.rotary = rotary  # shared by all layers (registered once, on the model)
 
     @property
@@ -67,7 +71,7 @@ class Attention(nn.Module):
         together with its RMSNorm)."""
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(t, self.num_heads, self.head_dim)
+        q, gate = self.split_query(q.view(t, -1, self.head_dim))
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -75,7 +79,17 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         ctx = get_context()
         o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+    def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, H, D] -> (q, None); the gated attention's [T, H, 2D] -> (q, gate [T, H * D])."""
+        if q.shape[1] == self.num_heads:
+            return q, None
+        t = q.shape[0]
+        q = q.reshape(t, self.num_heads, 2 * self.head_dim)
+        return q[..., : self.head_dim], q[..., self.head_dim:].reshape(t, self.num_heads * self.head_dim)
 
 
 class DenseMLP(nn.Module):
@@ -91,40 +105,56 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer: x + attn(norm(x)), then + mlp(norm(x)). The residual stream is
-    carried beside x so each norm adds it in the same kernel (vLLM/SGLang style)."""
+    """Pre-norm residual layer: x + mixer(norm(x)), then + mlp(norm(x)). The residual stream is
+    carried beside x so each norm adds it in the same kernel (vLLM/SGLang style). The token mixer
+    is attention (`self_attn`) or, on hybrid models, a gated-delta-net (`linear_attn`): the
+    checkpoint's names for them."""
 
-    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, mixer: nn.Module, mlp: nn.Module, dtype: torch.dtype,
+                 mixer_name: str = "self_attn", norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
-        self.self_attn = self_attn
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, mixer)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # the input norm runs fused with the QKV projection (one launch at batch-1 decode on CUDA)
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.in_proj, x, residual)
-        x = self.self_attn.attend(positions, qkv)
+        mixer = self.mixer
+        if getattr(mixer, "fuses_input_norm", False):
+            # the input norm runs fused with the QKV projection (one launch at batch-1 decode on CUDA)
+            qkv, residual = norm_linear(self.input_layernorm, mixer.in_proj, x, residual)
+            x = mixer.attend(positions, qkv)
+        else:
+            if residual is None:
+                h, residual = self.input_layernorm(x), x
+            else:
+                h, residual = self.input_layernorm(x, residual)
+            x = mixer(positions, h)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
-    def cache_spec(self) -> AttentionCacheSpec:
-        return self.self_attn.cache_spec()
+    def cache_spec(self) -> LayerCacheSpec:
+        return self.mixer.cache_spec()
 
 
 class DecoderModel(nn.Module):
     """embed_tokens -> layers -> final norm. `make_layer(i, rotary)` builds layer i."""
 
     def __init__(self, config: Any, dtype: torch.dtype,
-                 make_layer: Callable[[int, RotaryEmbedding], nn.Module]) -> None:
+                 make_layer: Callable[[int, RotaryEmbedding], nn.Module], norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
         # Not a submodule of each layer: one cos/sin table for the whole model.
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                           rope_parameters(config), dtype, config)
         self.layers = nn.ModuleList(make_layer(i, self.rotary_emb) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -11,6 +11,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("freetoken_core.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("freetoken_core.models.llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("freetoken_core.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("freetoken_core.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("freetoken_core.models.qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("freetoken_core.models.qwen3_next", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("freetoken_core.models.qwen3_next", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("freetoken_core.models.qwen3_next", "Qwen3_5MoeForConditionalGeneration"),
 }
 
 

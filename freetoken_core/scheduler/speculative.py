@@ -169,6 +169,7 @@ class SpecDecoder:
         self._ban_early_stops(logits, batch_reqs)
         committed = self._accept(logits, batch_reqs, num_drafts)
         lp = self._logprobs(logits, batch_reqs, committed)
+        kept: list[int] = []  # rows whose tokens stay cached: linear (GDN) states advance by as many
         for i, (req, tokens) in enumerate(zip(batch_reqs, committed)):
             req.spec_proposed += num_drafts[i]
             req.spec_accepted += len(tokens) - 1
@@ -176,12 +177,15 @@ class SpecDecoder:
                 req.first_token_time = time.perf_counter()
             taken = sched._commit_tokens(req, tokens)
             if req.finished:
+                kept.append(0)
                 msgs.append(sched._message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
                 continue
             req.commit_pending(taken)
+            kept.append(taken)
             cache.rollback_tail(req, req.seq_len)
             self.on_commit(req, tokens[:taken])
             msgs.append(sched._message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
+        engine.commit_verify(kept)
 
     def _ban_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         """min_tokens: row j of a request produces its output token number num_output + j."""

@@ -86,6 +86,10 @@ class DevicePipeline:
     def available(engine: Engine) -> bool:
         """On CUDA only as a graph (an eager step syncs for its attention metadata, which is what the
         synchronous path does anyway); on CPU eagerly, which exercises the same logic (tests)."""
+        if engine.linear_pool is not None:
+            # the accepted rows' replay into the GDN states runs on the host's counts (Engine.commit_verify)
+            log.info("hybrid (GDN) model: speculation verifies synchronously")
+            return False
         if engine.device.type != "cuda":
             return True
         info = engine.attn_backend.info

@@ -1,0 +1,249 @@
+"""Plain-torch references of `gdn.py`: the gated delta rule and the causal depthwise conv1d of
+gated-delta-net (GDN) layers, reading and writing per-request state in slot pools.
+
+A GDN layer keeps no KV pages: each request owns one slot of two pools, a conv state
+[slots, C, K-1] (its last K-1 conv inputs) and a recurrent state [slots, Hv, dk, dv] (fp32 by
+default; a bf16 pool is loaded to fp32, computed in fp32, stored rounded). Slot 0 is a dummy that
+padded rows may read and write. These functions are the CPU path of the layer and the references
+the Triton kernels are tested against, so they import nothing but torch.
+
+The math is transformers' `qwen3_next` torch path (`torch_recurrent_gated_delta_rule`,
+`torch_chunk_gated_delta_rule`, `causal_conv1d_fn`/`_update`, `l2norm`). Per value head, with q/k
+repeated from Hk to Hv heads (repeat_interleave), L2-normalised and q scaled by dk**-0.5:
+
+    S = S * exp(g_t);  delta = (v_t - k_t^T S) * beta_t;  S = S + k_t delta^T;  o_t = q_t^T S
+
+Decode and speculative verify (`*_update_ref`) take R rows per request (request-major, B*R rows).
+Outputs of every row come from the slot's state; with `write_state` the slot ends holding the state
+after the request's first `num_rows[i]` rows. Verify runs once with write_state=False over all k+1
+rows, then replays the same inputs with num_rows = accepted count and write_state=True: no per-row
+state copies (a Qwen3.6 state is ~61 MiB per request). The update references are vectorised over
+requests and never sync with the host; the varlen (prefill) references loop over requests on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps), written as transformers (and fla) do: x * rsqrt(...)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool):
+    """[..., Hk, dk] -> fp32 [..., Hv, dk]: repeat to the value heads, normalise, scale q."""
+    rep = num_v_heads // q.shape[-2]
+    q, k = q.float(), k.float()
+    if rep != 1:  # value head h reads key head h // rep (transformers' repeat_interleave)
+        q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def _zero_state(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(v.shape[-2], k.shape[-1], v.shape[-1], dtype=torch.float32, device=v.device)
+
+
+def _delta_step(S: torch.Tensor, q_t, k_t, v_t, g_t, b_t):
+    """One token for all heads at once: S [..., Hv, dk, dv] fp32; q_t, k_t [..., Hv, dk];
+    v_t [..., Hv, dv]; g_t, b_t [..., Hv]. Returns (o_t [..., Hv, dv], new S)."""
+    S = S * g_t.exp()[..., None, None]
+    kv = (S * k_t[..., :, None]).sum(-2)
+    delta = (v_t - kv) * b_t[..., None]
+    S = S + k_t[..., :, None] * delta[..., None, :]
+    return (S * q_t[..., :, None]).sum(-2), S
+
+
+# ------------------------------------------------------------------------------- one sequence
+
+
+def recurrent_gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, one token at a time. q, k [T, Hk, dk]; v [T, Hv, dv]; g, beta [T, Hv];
+    state [Hv, dk, dv] (None: zeros; not modified). Returns (o [T, Hv, dv] in v's dtype,
+    final state fp32)."""
+    qf, kf = _prepare_qk(q, k, v.shape[-2], use_qk_l2norm)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    S = _zero_state(k, v) if state is None else state.float()
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for t in range(v.shape[0]):
+        out[t], S = _delta_step(S, qf[t], kf[t], vf[t], gf[t], bf[t])
+    return out.to(v.dtype), S
+
+
+def chunk_gated_delta_rule_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor | None = None, use_qk_l2norm: bool = True, chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `recurrent_gated_delta_rule_ref`, computed chunk by chunk (transformers'
+    `torch_chunk_gated_delta_rule` for one sequence): inside a chunk the delta-rule updates are
+    condensed into triangular solves (the WY / UT transform), so a prefill of T tokens costs
+    T / chunk_size sequential steps of matmuls instead of T steps of outer products."""
+    T, Hv, dv = v.shape
+    qf, kf = _prepare_qk(q, k, Hv, use_qk_l2norm)
+    # heads first: [Hv, T, d]; padded tokens (g = 0, beta = 0, k = v = 0) leave the state alone
+    qf, kf, vf = (x.transpose(0, 1) for x in (qf, kf, v.float()))
+    gf, bf = g.float().transpose(0, 1), beta.float().transpose(0, 1)
+    pad = (-T) % chunk_size
+    qf, kf, vf = (F.pad(x, (0, 0, 0, pad)) for x in (qf, kf, vf))
+    gf, bf = F.pad(gf, (0, pad)), F.pad(bf, (0, pad))
+    n = (T + pad) // chunk_size
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [Hv, n*c, d] -> [Hv, n, c, d]
+        return x.reshape(Hv, n, chunk_size, x.shape[-1])
+
+    v_beta, k_beta = chunked(vf * bf[..., None]), chunked(kf * bf[..., None])
+    qf, kf = chunked(qf), chunked(kf)
+    cum = gf.reshape(Hv, n, chunk_size).cumsum(-1)  # log of the decay from the chunk start to t
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=v.device).triu(1)
+    # decay[i, j] = exp(cum_i - cum_j) for j <= i (masked to -inf above the diagonal before exp)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ kf.transpose(-1, -2)) * decay
+    attn = (qf @ kf.transpose(-1, -2)) * decay
+    # Solve (I + strictly_lower(ut)) X = rhs (unitriangular: the solver ignores ut's diagonal and
+    # upper part): u are the values each token writes given the chunk's earlier writes, w the
+    # decayed keys through which the chunk reads the state it starts from.
+    u = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+
+    S = _zero_state(k, v) if state is None else state.float().clone()
+    q_dec = qf * cum.exp()[..., None]  # q reads the state decayed up to its own position
+    k_dec = kf * (cum[..., -1:] - cum).exp()[..., None]  # k's write decays to the chunk end
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [Hv, n, 1, 1]
+    out = torch.empty_like(u)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ S
+        out[:, i] = q_dec[:, i] @ S + attn[:, i] @ v_new
+        S = S * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(Hv, n * chunk_size, dv)[:, :T].transpose(0, 1)
+    return out.to(v.dtype).contiguous(), S
+
+
+# ----------------------------------------------------------------------- prefill (varlen)
+
+
+def gdn_varlen_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
+    initial_zero: torch.Tensor | None = None, use_qk_l2norm: bool = True, chunk_size: int | None = 64,
+) -> torch.Tensor:
+    """Prefill of B sequences concatenated along T (request i owns rows cu_seqlens[i]:cu_seqlens[i+1]).
+    Each starts from state_pool[slot_ids[i]] (zeros where initial_zero[i]: a first prefill chunk, so
+    slots need no clearing) and its final state is written back there in place (a request of zero
+    rows keeps its state, or gets zeros if initial_zero). chunk_size=None runs the token loop.
+    Returns o [T, Hv, dv] in v's dtype."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    bounds = cu_seqlens.tolist()
+    slots = slot_ids.tolist()
+    fresh = [False] * len(slots) if initial_zero is None else initial_zero.tolist()
+    for i, slot in enumerate(slots):
+        s, e = bounds[i], bounds[i + 1]
+        state = None if fresh[i] else state_pool[slot]
+        rows = (q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e])
+        if chunk_size is None:
+            o, S = recurrent_gated_delta_rule_ref(*rows, state=state, use_qk_l2norm=use_qk_l2norm)
+        else:
+            o, S = chunk_gated_delta_rule_ref(*rows, state=state, use_qk_l2norm=use_qk_l2norm,
+                                              chunk_size=chunk_size)
+        out[s:e] = o
+        state_pool[slot] = S.to(state_pool.dtype)
+    return out
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return y
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    raise ValueError(f"unsupported conv activation {activation!r} (silu/swish or None)")
+
+
+def _conv(xx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
+    """xx [..., C, K-1+L] (state then inputs) -> fp32 [..., C, L]: y_p = b + sum_j w_j xx[p + j]."""
+    K = weight.shape[-1]
+    L = xx.shape[-1] - (K - 1)
+    xf, wf = xx.float(), weight.float()
+    y = sum(wf[:, j, None] * xf[..., j:j + L] for j in range(K))
+    if bias is not None:
+        y = y + bias.float()[:, None]
+    return _activate(y, activation)
+
+
+def causal_conv1d_varlen_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
+    conv_state_pool: torch.Tensor, slot_ids: torch.Tensor, initial_zero: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal depthwise conv1d (+ activation) over B concatenated sequences. x [T, C];
+    weight [C, K]; conv_state_pool [slots, C, K-1] holds each request's last K-1 inputs (zeros
+    where initial_zero[i]). Computes in fp32 and rounds once to x's dtype. Writes each request's
+    last K-1 inputs back in place; a sequence shorter than K-1 shifts its older state entries left."""
+    K = weight.shape[-1]
+    y = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    slots = slot_ids.tolist()
+    fresh = [False] * len(slots) if initial_zero is None else initial_zero.tolist()
+    for i, slot in enumerate(slots):
+        s, e = bounds[i], bounds[i + 1]
+        prev = conv_state_pool[slot].to(x.dtype)
+        if fresh[i]:
+            prev = torch.zeros_like(prev)
+        xx = torch.cat([prev, x[s:e].t()], dim=-1)  # [C, K-1+L]
+        y[s:e] = _conv(xx, weight, bias, activation).t().to(x.dtype)
+        conv_state_pool[slot] = xx[:, xx.shape[-1] - (K - 1):].to(conv_state_pool.dtype)
+    return y
+
+
+# --------------------------------------------------------------------- decode / verify
+
+
+def conv1d_update_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state_pool: torch.Tensor,
+    slot_ids: torch.Tensor, num_rows: torch.Tensor, rows_per_req: int, write_state: bool = True,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Decode / verify conv: x [B*R, C] request-major (R = rows_per_req). Every row's output comes
+    from the slot's conv state and the request's earlier rows. With write_state, slot i ends holding
+    its last K-1 inputs after num_rows[i] (device int, 0..R) rows; without it the pool is untouched."""
+    K, R = weight.shape[-1], rows_per_req
+    B, C = slot_ids.shape[0], x.shape[-1]
+    prev = conv_state_pool[slot_ids].to(x.dtype)  # [B, C, K-1]
+    xx = torch.cat([prev, x.view(B, R, C).transpose(1, 2)], dim=-1)  # [B, C, K-1+R]
+    y = _conv(xx, weight, bias, activation).transpose(1, 2).reshape(B * R, C).to(x.dtype)
+    if write_state:
+        # after n rows the last K-1 inputs are xx[..., n : n+K-1] (n = 0: the old state)
+        idx = num_rows.to(torch.long).view(B, 1, 1) + torch.arange(K - 1, device=x.device)
+        new = xx.gather(-1, idx.expand(B, C, K - 1))
+        conv_state_pool[slot_ids] = new.to(conv_state_pool.dtype)
+    return y
+
+
+def gdn_recurrent_update_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state_pool: torch.Tensor, slot_ids: torch.Tensor, num_rows: torch.Tensor, rows_per_req: int,
+    write_state: bool = True, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Decode / verify recurrence: q, k [B*R, Hk, dk]; v [B*R, Hv, dv]; g, beta [B*R, Hv], rows
+    request-major. Row r of request i sees the state after rows 0..r-1 of that request. With
+    write_state, slot i ends holding the state after its first num_rows[i] rows (0: unchanged);
+    without it the pool is untouched. Returns o [B*R, Hv, dv] in v's dtype."""
+    R, B = rows_per_req, slot_ids.shape[0]
+    Hv, dv = v.shape[-2:]
+    qf, kf = _prepare_qk(q, k, Hv, use_qk_l2norm)
+    qf, kf = qf.view(B, R, Hv, -1), kf.view(B, R, Hv, -1)
+    vf, gf, bf = v.float().view(B, R, Hv, dv), g.float().view(B, R, Hv), beta.float().view(B, R, Hv)
+    S = state_pool[slot_ids].float()  # [B, Hv, dk, dv]
+    kept = S
+    n = num_rows.to(torch.long).view(B, 1, 1, 1)
+    out = torch.empty(B, R, Hv, dv, dtype=torch.float32, device=v.device)
+    for r in range(R):
+        out[:, r], S = _delta_step(S, qf[:, r], kf[:, r], vf[:, r], gf[:, r], bf[:, r])
+        kept = torch.where(r < n, S, kept)  # the state after row r counts while r < num_rows
+    if write_state:
+        state_pool[slot_ids] = kept.to(state_pool.dtype)
+    return out.view(B * R, Hv, dv).to(v.dtype)

@@ -1,0 +1,165 @@
+"""Gated-delta-net (GDN) linear attention, the token mixer of Qwen3-Next and Qwen3.5/3.6 layers.
+
+h -> in_proj_qkvz -> [q | k | v] through a causal depthwise conv (kernel K, SiLU) and z (the output
+gate); in_proj_ba -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); q, k L2-normed;
+the delta-rule recurrence over the request's state (fp32); per-head gated RMSNorm
+`w * rmsnorm(o) * silu(z)`; out_proj.
+
+Projections are held flat, [q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv)] and [b (Hv) | a (Hv)], so
+[q | k | v] is a view of one output. Qwen3.5 checkpoints store them that way in pieces
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); Qwen3-Next stores `in_proj_qkvz` / `in_proj_ba`
+grouped per key head ([dk, dk, r*dv, r*dv] per key head, r = Hv / Hk): `weight_loader` takes
+both (shard "grouped" de-interleaves).
+
+The layer reads its step's state metadata from `get_context().linear_state` (kvcache/linear_state.py):
+prefill chunks go through the varlen kernels (state carried across chunks exactly), decode and
+verify rows through the update kernels (verify writes nothing; `commit_verify` replays the
+accepted rows). CUDA: the Triton kernels of kernels/gdn.py; CPU: their torch references.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import get_context
+from ..kernels import gdn_ref
+from ..kvcache.linear_state import LinearStateStep, VerifyInputs
+from ..kvcache.spec import LinearStateSpec
+from .linear import Linear, MergedLinear, copy_checked
+
+
+def _ops(x: torch.Tensor):
+    if x.is_cuda:
+        from ..kernels import gdn  # first CUDA use: CPU users never load Triton
+
+        return gdn.causal_conv1d_varlen, gdn.conv1d_update, gdn.gdn_varlen, gdn.gdn_recurrent_update
+    return (gdn_ref.causal_conv1d_varlen_ref, gdn_ref.conv1d_update_ref, gdn_ref.gdn_varlen_ref,
+            gdn_ref.gdn_recurrent_update_ref)
+
+
+class GroupedMergedLinear(MergedLinear):
+    """A MergedLinear whose segments a checkpoint may store interleaved per key head ("grouped"):
+    rows [g0: seg0 part, seg1 part, ...][g1: ...], part sizes = segment size / groups."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], groups: int, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_sizes, bias=False, dtype=dtype)
+        if any(s % groups for s in out_sizes):
+            raise ValueError(f"segments {out_sizes} do not split into {groups} key-head groups")
+        self.groups = groups
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> list[Any]:
+        if shard == "grouped":
+            parts = [s // self.groups for s in self.out_sizes]
+            per_group = loaded.view(self.groups, sum(parts), -1).split(parts, dim=1)  # each [G, part, H]
+            copy_checked(param.data, torch.cat([p.reshape(-1, loaded.shape[-1]) for p in per_group], 0))
+            return list(range(len(self.out_sizes)))
+        if isinstance(shard, tuple):  # consecutive segments stored as one tensor
+            off = sum(self.out_sizes[: shard[0]])
+            size = sum(self.out_sizes[i] for i in shard)
+            copy_checked(param.data.narrow(0, off, size), loaded)
+            return list(shard)
+        super().weight_loader(param, loaded, shard)
+        return [shard]
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head `w * rmsnorm(o) * silu(z)` (Llama rounding of the norm, the gate in fp32)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        h = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: Any, state_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.state_index = state_index
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                             f"linear_num_key_heads={self.num_k_heads}")
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.in_proj_qkvz = GroupedMergedLinear(hidden, [self.key_dim, self.key_dim, self.value_dim, self.value_dim],
+                                                self.num_k_heads, dtype)
+        self.in_proj_ba = GroupedMergedLinear(hidden, [self.num_v_heads, self.num_v_heads], self.num_k_heads, dtype)
+        self.conv1d = nn.Module()  # checkpoint name conv1d.weight [C, 1, K] (a depthwise nn.Conv1d)
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel, dtype=dtype), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False, dtype=dtype)
+
+    @property
+    def in_proj(self) -> Linear:
+        return self.in_proj_qkvz
+
+    def cache_spec(self) -> LinearStateSpec:
+        return LinearStateSpec(self.state_index, self.conv_dim, self.conv_kernel, self.num_v_heads,
+                               self.head_k_dim, self.head_v_dim)
+
+    def attend(self, positions: torch.Tensor, h: torch.Tensor, qkvz: torch.Tensor | None = None) -> torch.Tensor:
+        """h: the normed input rows [T, hidden]; qkvz: in_proj_qkvz(h) when the caller fused it."""
+        ctx = get_context()
+        st: LinearStateStep | None = ctx.linear_state
+        if ctx.hide_target_state and (st is None or st.is_target):
+            raise RuntimeError("a gated-delta-net layer ran under hide_target_state without a linear state of its "
+                               "own: pass linear_state=<the draft's LinearStateStep> with the override")
+        if st is None:
+            raise RuntimeError("a gated-delta-net layer ran without the engine's linear-state metadata")
+        t = h.shape[0]
+        qkvz = self.in_proj_qkvz(h) if qkvz is None else qkvz
+        conv_in = qkvz[:, : self.conv_dim]
+        z = qkvz[:, self.conv_dim:].reshape(t, self.num_v_heads, self.head_v_dim)
+        b, a = self.in_proj_ba(h).split(self.num_v_heads, dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        conv_varlen, conv_update, gdn_varlen, gdn_update = _ops(h)
+        i = self.state_index
+        conv_pool, state_pool = st.pool.conv[i], st.pool.recurrent[i]
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        if st.varlen:
+            y = conv_varlen(conv_in, weight, None, st.cu_seqlens, conv_pool, st.slot_ids, st.initial_zero)
+        else:
+            y = conv_update(conv_in, weight, None, conv_pool, st.slot_ids, st.num_rows, st.rows_per_req,
+                            write_state=st.write_state)
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        if st.varlen:
+            o = gdn_varlen(q, k, v, g, beta, st.cu_seqlens, state_pool, st.slot_ids, st.initial_zero)
+        else:
+            o = gdn_update(q, k, v, g, beta, state_pool, st.slot_ids, st.num_rows, st.rows_per_req,
+                           write_state=st.write_state)
+            if not st.write_state:  # a verify step: keep what the replay of the accepted rows needs
+                st.saved[i] = VerifyInputs(conv_in.clone(), q.clone(), k.clone(), v.clone(), g.clone(), beta.clone())
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.attend(positions, h)
+
+    def replay_accepted(self, st: LinearStateStep, accepted: torch.Tensor) -> None:
+        """After a verify step: advance this layer's states by each request's `accepted` rows."""
+        saved = st.saved[self.state_index]
+        _, conv_update, _, gdn_update = _ops(saved.conv_in)
+        i = self.state_index
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        conv_update(saved.conv_in, weight, None, st.pool.conv[i], st.slot_ids, accepted, st.rows_per_req,
+                    write_state=True)
+        gdn_update(saved.q, saved.k, saved.v, saved.g, saved.beta, st.pool.recurrent[i], st.slot_ids, accepted,
+                   st.rows_per_req, write_state=True)

@@ -1,0 +1,147 @@
+"""Gated-delta-net hybrids: Qwen3-Next (`Qwen3NextForCausalLM`) and Qwen3.5 / Qwen3.6
+(`Qwen3_5MoeForCausalLM`, `Qwen3_5ForCausalLM`, and their vision-language checkpoints
+`Qwen3_5MoeForConditionalGeneration` / `Qwen3_5ForConditionalGeneration`, text part only).
+
+`layer_types` (or `full_attention_interval`) picks each layer's token mixer: a gated-delta-net
+(`linear_attn`, a linear-state slot per request) or gated full attention (`self_attn`: q_proj emits
+[q | gate] per head, zero-centred q/k RMSNorm, partial NeoX rotary, o_proj(attn * sigmoid(gate)),
+K/V pages). MLPs are MoE with a sigmoid-gated shared expert (Qwen3-Next: where `mlp_only_layers` /
+`decoder_sparse_step` say; Qwen3.5-MoE: every layer) or dense. Every RMSNorm is zero-centred
+(`(1 + w)`) except the GDN output norm.
+
+Vision-language checkpoints keep the text model under `model.language_model.*` beside `model.visual.*`
+and the config under `text_config`: the vision tower is skipped by name (image inputs are not
+supported), as are the multi-token-prediction draft weights (`mtp.*`, for a later MTP drafter); both
+are logged, so the strict loader still refuses anything else it does not know.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers import Linear, ZeroCenteredRMSNorm
+from ..layers.gdn import GatedDeltaNet
+from ..layers.moe import SparseMoeBlock
+from .base import DENSE_PACKED, CausalLM
+from .blocks import Attention, DecoderLayer, DenseMLP, check_silu
+from .qwen3_moe import EXPERT_RULES, is_sparse_layer, num_experts_of
+from .weights import WeightRule, packed_rules
+
+log = logging.getLogger(__name__)
+
+# Qwen3.5's separate GDN projections -> the flat [q | k | v | z] and [b | a] weights; Qwen3-Next's
+# per-key-head grouped ones are de-interleaved by the layer ("grouped").
+GDN_RULES = (
+    WeightRule(r"\.in_proj_qkv\.", ".in_proj_qkvz.", (0, 1, 2)),
+    WeightRule(r"\.in_proj_z\.", ".in_proj_qkvz.", 3),
+    WeightRule(r"\.in_proj_b\.", ".in_proj_ba.", 0),
+    WeightRule(r"\.in_proj_a\.", ".in_proj_ba.", 1),
+    WeightRule(r"\.in_proj_qkvz\.weight$", ".in_proj_qkvz.weight", "grouped"),
+    WeightRule(r"\.in_proj_ba\.weight$", ".in_proj_ba.weight", "grouped"),
+)
+
+
+def layer_types_of(config: Any) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if not types:
+        interval = int(getattr(config, "full_attention_interval", 4) or 4)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(config.num_hidden_layers)]
+    unknown = sorted(set(types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise ValueError(f"unknown layer_types {unknown}; supported: full_attention, linear_attention")
+    return list(types)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize, dtype)
+        self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size, dtype)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    weight_rules = EXPERT_RULES + GDN_RULES + packed_rules(DENSE_PACKED)
+    norm_cls = ZeroCenteredRMSNorm
+    always_sparse = False  # Qwen3-Next follows mlp_only_layers / decoder_sparse_step
+    always_renormalize = False  # ... and norm_topk_prob
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        config = getattr(config, "text_config", None) or config
+        self.layer_types = layer_types_of(config)
+        super().__init__(config, dtype)
+
+    def make_layer(self, layer_id: int, rotary: Any) -> nn.Module:
+        cfg = self.config
+        check_silu(cfg)
+        kind = self.layer_types[layer_id]
+        index = self.layer_types[:layer_id].count(kind)  # K/V-pool or state-pool index
+        if kind == "linear_attention":
+            mixer: nn.Module = GatedDeltaNet(cfg, index, self.dtype)
+            name = "linear_attn"
+        else:
+            b = bool(getattr(cfg, "attention_bias", False))
+            mixer = Attention(cfg, index, rotary, self.dtype, qkv_bias=b, o_bias=b, qk_norm=True,
+                              norm_cls=ZeroCenteredRMSNorm, q_outputs_per_head=2)
+            name = "self_attn"
+        return DecoderLayer(cfg, mixer, self.make_mlp(layer_id), self.dtype, name, ZeroCenteredRMSNorm)
+
+    def make_mlp(self, layer_id: int) -> nn.Module:
+        cfg = self.config
+        n_experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0
+        if n_experts and (self.always_sparse or is_sparse_layer(cfg, layer_id)):
+            renorm = self.always_renormalize or bool(getattr(cfg, "norm_topk_prob", False))
+            return SharedExpertMoeBlock(cfg.hidden_size, num_experts_of(cfg), int(cfg.num_experts_per_tok),
+                                        cfg.moe_intermediate_size, renorm, cfg.shared_expert_intermediate_size,
+                                        self.dtype)
+        return DenseMLP(cfg.hidden_size, cfg.intermediate_size, self.dtype)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Dense Qwen3.5 (text): dense MLPs everywhere, the GDN projections stored in pieces."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 / Qwen3.6 MoE (text): every MLP sparse, routing weights always renormalised."""
+
+    always_sparse = True
+    always_renormalize = True
+
+
+class _VisionLanguageText:
+    """The text part of a vision-language checkpoint: `model.language_model.*` -> `model.*`; the
+    vision tower and the MTP draft weights are skipped by name, and counted in the log."""
+
+    weight_rules = (WeightRule(r"^model\.language_model\.", "model."),)
+
+    def skip_weight(self, name: str) -> bool:
+        if name.startswith(("model.visual.", "visual.", "mtp.")):
+            self._skipped = getattr(self, "_skipped", 0) + 1
+            return True
+        return super().skip_weight(name)  # type: ignore[misc]
+
+    def load_weights(self, weights) -> None:
+        # rename first, then the architecture's own rules see the text model's usual names
+        renamed = ((n.replace("model.language_model.", "model.", 1), t) for n, t in weights)
+        super().load_weights(renamed)  # type: ignore[misc]
+        if getattr(self, "_skipped", 0):
+            log.info("skipped %d vision-tower / MTP tensors (text-only model)", self._skipped)
+
+
+class Qwen3_5MoeForConditionalGeneration(_VisionLanguageText, Qwen3_5MoeForCausalLM):
+    weight_rules = Qwen3_5MoeForCausalLM.weight_rules
+
+
+class Qwen3_5ForConditionalGeneration(_VisionLanguageText, Qwen3_5ForCausalLM):
+    weight_rules = Qwen3_5ForCausalLM.weight_rules

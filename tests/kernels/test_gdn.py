@@ -1,0 +1,451 @@
+"""Gated-delta-net kernels (`kernels/gdn.py`) and their plain-torch references (`kernels/gdn_ref.py`).
+
+The references are checked against transformers' qwen3_next torch path (the math the models must
+match), the chunked form against the token loop, the varlen/update forms against one sequence at a
+time. The Triton kernels are checked against the references under the interpreter on CPU (fp32, a
+little fp16: the interpreter's bf16 is broken) with ragged shapes, and compiled on a GPU host, where
+the CUDA-only tests add bf16 activations, Qwen3.6 shapes and a CUDA-graph capture/replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# Installed, fla / causal_conv1d make transformers take their (CUDA-only) kernels: force its torch path.
+for _name in ("fla", "causal_conv1d"):
+    if _name not in sys.modules and importlib.util.find_spec(_name) is not None:
+        sys.modules[_name] = None
+
+from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
+
+from freetoken_core.kernels import gdn  # noqa: E402
+from freetoken_core.kernels import gdn_ref as ref  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # kernels: interpreted on CPU, compiled on a GPU host
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+K_CONV = 4
+SLOTS = 8
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def gdn_inputs(T: int, Hk: int = 2, Hv: int = 4, dk: int = 16, dv: int = 16, dtype=torch.float32,
+               device: str = DEV, seed: int = 0):
+    """q, k, v in `dtype`, g fp32 (as the model computes it), beta in `dtype`; g spans weak to strong decay."""
+    gen = _gen(seed)
+    q, k = torch.randn(T, Hk, dk, generator=gen), torch.randn(T, Hk, dk, generator=gen)
+    v = torch.randn(T, Hv, dv, generator=gen)
+    g = -F.softplus(torch.randn(T, Hv, generator=gen) * 2.0)
+    beta = torch.sigmoid(torch.randn(T, Hv, generator=gen))
+    return (*(x.to(device, dtype) for x in (q, k, v)), g.to(device), beta.to(device, dtype))
+
+
+def state_pool(Hv: int = 4, dk: int = 16, dv: int = 16, dtype=torch.float32, device: str = DEV, seed: int = 1):
+    return (0.5 * torch.randn(SLOTS, Hv, dk, dv, generator=_gen(seed))).to(device, dtype)
+
+
+def conv_inputs(T: int, C: int, dtype=torch.float32, device: str = DEV, seed: int = 2, bias: bool = True):
+    gen = _gen(seed)
+    x = torch.randn(T, C, generator=gen).to(device, dtype)
+    w = (0.5 * torch.randn(C, K_CONV, generator=gen)).to(device, dtype)
+    b = (0.5 * torch.randn(C, generator=gen)).to(device, dtype) if bias else None
+    pool = torch.randn(SLOTS, C, K_CONV - 1, generator=gen).to(device, dtype)
+    return x, w, b, pool
+
+
+def cu(lens: list[int], device: str = DEV) -> torch.Tensor:
+    return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+
+
+def ids(values: list, device: str = DEV, dtype=torch.int32) -> torch.Tensor:
+    return torch.tensor(values, device=device, dtype=dtype)
+
+
+def _hf_gdn(fn, q, k, v, g, beta, state, **kw):
+    # q/k repeated to the value heads here: transformers 5.24 repeats inside, 5.17 (the GPU host) in the layer
+    rep = v.shape[-2] // q.shape[-2]
+    q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+    o, s = fn(q[None], k[None], v[None], g[None], beta[None], initial_state=None if state is None else state[None],
+              output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+    return o[0], s[0]
+
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+# ------------------------------------------------------------------------- references vs transformers
+
+
+def test_l2norm_matches_transformers():
+    x = torch.randn(5, 3, 24, generator=_gen(0))
+    torch.testing.assert_close(ref.l2norm(x), hf.l2norm(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_recurrent_ref_matches_transformers(with_state):
+    q, k, v, g, beta = gdn_inputs(9, device="cpu")
+    s0 = state_pool(device="cpu")[3] if with_state else None
+    o, s = ref.recurrent_gated_delta_rule_ref(q, k, v, g, beta, s0)
+    o_hf, s_hf = _hf_gdn(hf.torch_recurrent_gated_delta_rule, q, k, v, g, beta, s0)
+    torch.testing.assert_close(o, o_hf, **TOL)
+    torch.testing.assert_close(s, s_hf, **TOL)
+
+
+@pytest.mark.parametrize("T", [1, 37, 70])
+def test_chunk_ref_matches_transformers(T):
+    q, k, v, g, beta = gdn_inputs(T, device="cpu")
+    s0 = state_pool(device="cpu")[2]
+    o, s = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=16)
+    o_hf, s_hf = _hf_gdn(hf.torch_chunk_gated_delta_rule, q, k, v, g, beta, s0, chunk_size=16)
+    torch.testing.assert_close(o, o_hf, **TOL)
+    torch.testing.assert_close(s, s_hf, **TOL)
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 64), (5, 64), (64, 64), (100, 64), (37, 16), (48, 16)])
+def test_chunk_equals_recurrent(T, chunk):
+    q, k, v, g, beta = gdn_inputs(T, dk=32, dv=16, device="cpu", seed=T)
+    s0 = state_pool(dk=32, dv=16, device="cpu")[1]
+    o_c, s_c = ref.chunk_gated_delta_rule_ref(q, k, v, g, beta, s0, chunk_size=chunk)
+    o_r, s_r = ref.recurrent_gated_delta_rule_ref(q, k, v, g, beta, s0)
+    torch.testing.assert_close(o_c, o_r, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s_c, s_r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [16, None])
+def test_varlen_ref_matches_per_sequence(chunk_size):
+    lens, slots, fresh = [7, 2, 0, 13], [3, 6, 1, 5], [False, True, True, False]
+    q, k, v, g, beta = gdn_inputs(sum(lens), device="cpu")
+    pool = state_pool(device="cpu")
+    before = pool.clone()
+    o = ref.gdn_varlen_ref(q, k, v, g, beta, cu(lens, "cpu"), pool, ids(slots, "cpu"), ids(fresh, "cpu", torch.bool),
+                           chunk_size=chunk_size)
+    start = 0
+    for n, slot, z in zip(lens, slots, fresh):
+        rows = (x[start:start + n] for x in (q, k, v, g, beta))
+        o_i, s_i = ref.recurrent_gated_delta_rule_ref(*rows, state=None if z else before[slot])
+        torch.testing.assert_close(o[start:start + n], o_i, **TOL)
+        torch.testing.assert_close(pool[slot], s_i, **TOL)
+        start += n
+    untouched = [s for s in range(SLOTS) if s not in slots]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_conv_varlen_ref_matches_transformers():
+    lens, slots, fresh = [6, 2, 11], [4, 2, 7], [True, False, False]  # 2 < K-1: the state shifts
+    C = 24
+    x, w, b, pool = conv_inputs(sum(lens), C, device="cpu")
+    before = pool.clone()
+    y = ref.causal_conv1d_varlen_ref(x, w, b, cu(lens, "cpu"), pool, ids(slots, "cpu"), ids(fresh, "cpu", torch.bool))
+    start = 0
+    for n, slot, z in zip(lens, slots, fresh):
+        xs = x[start:start + n].t()[None]  # [1, C, n]
+        if z:
+            y_hf = hf.causal_conv1d_fn(xs, w, b, activation="silu")
+            state_hf = F.pad(xs, (K_CONV - 1, 0))[..., -(K_CONV - 1):]
+        else:
+            state_hf = before[slot][None].clone()
+            y_hf = hf.causal_conv1d_update(xs, state_hf, w, b, activation="silu")
+        torch.testing.assert_close(y[start:start + n], y_hf[0].t(), **TOL)
+        torch.testing.assert_close(pool[slot], state_hf[0], atol=0, rtol=0)
+        start += n
+
+
+def test_conv_update_ref_decode_matches_transformers():
+    C, B, steps = 24, 3, 5
+    x, w, b, pool = conv_inputs(B * steps, C, device="cpu")
+    slots = ids([5, 1, 3], "cpu")
+    state_hf = pool[slots].clone()
+    for t in range(steps):
+        xt = x[t * B:(t + 1) * B]
+        y = ref.conv1d_update_ref(xt, w, b, pool, slots, ids([1] * B, "cpu"), 1)
+        y_hf = hf.causal_conv1d_update(xt[:, :, None], state_hf, w, b, activation="silu")
+        torch.testing.assert_close(y, y_hf[:, :, 0], **TOL)
+        torch.testing.assert_close(pool[slots], state_hf, atol=0, rtol=0)
+
+
+# The R-row update references against the varlen ones: outputs of all R rows from the slot's state,
+# and (write_state) the state after the first num_rows rows.
+R_ROWS, NUM_ROWS, UPD_SLOTS = 4, [0, 4, 1, 3], [2, 7, 0, 5]
+
+
+def test_gdn_update_ref_matches_varlen():
+    B = len(NUM_ROWS)
+    q, k, v, g, beta = gdn_inputs(B * R_ROWS, device="cpu")
+    pool = state_pool(device="cpu")
+    before = pool.clone()
+    o = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool, ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu"), R_ROWS)
+    for i, (n, slot) in enumerate(zip(NUM_ROWS, UPD_SLOTS)):
+        rows = [x[i * R_ROWS:(i + 1) * R_ROWS] for x in (q, k, v, g, beta)]
+        o_i, _ = ref.recurrent_gated_delta_rule_ref(*rows, state=before[slot])
+        _, s_i = ref.recurrent_gated_delta_rule_ref(*(x[:n] for x in rows), state=before[slot])
+        torch.testing.assert_close(o[i * R_ROWS:(i + 1) * R_ROWS], o_i, **TOL)
+        torch.testing.assert_close(pool[slot], s_i, **TOL)
+
+
+def test_conv_update_ref_matches_varlen():
+    B, C = len(NUM_ROWS), 24
+    x, w, b, pool = conv_inputs(B * R_ROWS, C, device="cpu")
+    pool_v = pool.clone()
+    y = ref.conv1d_update_ref(x, w, b, pool, ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu"), R_ROWS)
+    y_v = ref.causal_conv1d_varlen_ref(x, w, b, cu([R_ROWS] * B, "cpu"), pool_v.clone(), ids(UPD_SLOTS, "cpu"))
+    torch.testing.assert_close(y, y_v, **TOL)
+    ref.causal_conv1d_varlen_ref(x[[i * R_ROWS + r for i, n in enumerate(NUM_ROWS) for r in range(n)]], w, b,
+                                 cu(NUM_ROWS, "cpu"), pool_v, ids(UPD_SLOTS, "cpu"))
+    assert torch.equal(pool, pool_v)
+
+
+def test_bf16_state_pool_ref():
+    """A bf16 pool: loaded to fp32, computed in fp32, stored rounded (CPU torch bf16 is exact)."""
+    B = len(NUM_ROWS)
+    q, k, v, g, beta = gdn_inputs(B * R_ROWS, device="cpu")
+    pool16 = state_pool(device="cpu").to(torch.bfloat16)
+    pool32 = pool16.float()
+    slots, n = ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu")
+    o16 = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool16, slots, n, R_ROWS)
+    o32 = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool32, slots, n, R_ROWS)
+    assert pool16.dtype == torch.bfloat16
+    torch.testing.assert_close(o16, o32, atol=0, rtol=0)  # same fp32 start, so the same outputs
+    assert torch.equal(pool16, pool32.to(torch.bfloat16))  # and the state rounded once
+    lens = [5, 2, 9]
+    q, k, v, g, beta = gdn_inputs(sum(lens), device="cpu", seed=3)
+    p16 = pool16.clone()
+    p32 = p16.float()
+    o16 = ref.gdn_varlen_ref(q, k, v, g, beta, cu(lens, "cpu"), p16, ids([1, 4, 6], "cpu"))
+    o32 = ref.gdn_varlen_ref(q, k, v, g, beta, cu(lens, "cpu"), p32, ids([1, 4, 6], "cpu"))
+    torch.testing.assert_close(o16, o32, atol=0, rtol=0)
+    assert torch.equal(p16, p32.to(torch.bfloat16))
+
+
+# ------------------------------------------------------------------- Triton kernels vs references
+
+
+def _update_case(R: int):
+    # R = 1: plain decode, a padded request on the dummy slot 0; R = 4: every num_rows in 0..R
+    if R == 1:
+        return [3, 0, 6], [1, 0, 1]
+    return UPD_SLOTS, NUM_ROWS
+
+
+@pytest.mark.parametrize("R", [1, 4])
+@pytest.mark.parametrize("write_state", [True, False])
+@pytest.mark.parametrize("dk,dv", [(16, 16), (32, 32), (24, 40)])
+def test_gdn_recurrent_update_kernel(R, write_state, dk, dv):
+    slots, num_rows = _update_case(R)
+    B = len(slots)
+    q, k, v, g, beta = gdn_inputs(B * R, dk=dk, dv=dv, seed=R + dk)
+    pool = state_pool(dk=dk, dv=dv)
+    pool_ref, before = pool.clone(), pool.clone()
+    args = (ids(slots), ids(num_rows), R, write_state)
+    o = gdn.gdn_recurrent_update(q, k, v, g, beta, pool, *args)
+    o_ref = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool_ref, *args)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(pool, pool_ref, **TOL)
+    if not write_state:
+        assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gdn_varlen_kernel(dtype):
+    lens, slots, fresh = [7, 2, 0, 13], [3, 6, 1, 5], [False, True, True, False]
+    q, k, v, g, beta = gdn_inputs(sum(lens), dk=32, dv=16, dtype=dtype)
+    pool = state_pool(dk=32, dv=16)
+    pool_ref = pool.clone()
+    seqs, slot_ids, fresh_ids = cu(lens), ids(slots), ids(fresh, dtype=torch.bool)
+    o = gdn.gdn_varlen(q, k, v, g, beta, seqs, pool, slot_ids, fresh_ids)
+    o_ref = ref.gdn_varlen_ref(q, k, v, g, beta, seqs, pool_ref, slot_ids, fresh_ids, chunk_size=None)
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(o, o_ref, **tol)
+    torch.testing.assert_close(pool, pool_ref, **TOL)
+
+
+def test_gdn_kernels_take_strided_views():
+    """q/k/v as slices of one fused [T, 2*Hk*dk + Hv*dv] row (the conv output), g/beta of a [T, 2*Hv] one."""
+    T, Hk, Hv, dk, dv = 6, 2, 4, 16, 16
+    q, k, v, g, beta = gdn_inputs(T)
+    fused = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    qs = fused[:, :Hk * dk].view(T, Hk, dk)
+    ks = fused[:, Hk * dk:2 * Hk * dk].view(T, Hk, dk)
+    vs = fused[:, 2 * Hk * dk:].view(T, Hv, dv)
+    gb = torch.cat([g, beta], dim=1)
+    pool, pool_ref = state_pool(), state_pool()
+    args = (ids([2, 5, 1]), ids([2, 0, 1]), 2, True)
+    o = gdn.gdn_recurrent_update(qs, ks, vs, gb[:, :Hv], gb[:, Hv:], pool, *args)
+    o_ref = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool_ref, *args)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(pool, pool_ref, **TOL)
+
+
+@pytest.mark.parametrize("R", [1, 4])
+@pytest.mark.parametrize("write_state", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv1d_update_kernel(R, write_state, bias):
+    slots, num_rows = _update_case(R)
+    C = 72  # two channel blocks, the second partly masked
+    x, w, b, pool = conv_inputs(len(slots) * R, C, bias=bias, seed=R)
+    pool_ref, before = pool.clone(), pool.clone()
+    args = (ids(slots), ids(num_rows), R, write_state)
+    y = gdn.conv1d_update(x, w, b, pool, *args)
+    y_ref = ref.conv1d_update_ref(x, w, b, pool_ref, *args)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    assert torch.equal(pool, pool_ref)  # the state is a copy of inputs: exact
+    if not write_state:
+        assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_causal_conv1d_varlen_kernel(dtype):
+    lens, slots, fresh = [6, 2, 0, 11], [4, 2, 3, 7], [True, False, True, False]  # T = 19: two token blocks
+    C = 72
+    x, w, b, pool = conv_inputs(sum(lens), C, dtype=dtype)
+    pool_ref = pool.clone()
+    seqs, slot_ids, fresh_ids = cu(lens), ids(slots), ids(fresh, dtype=torch.bool)
+    y = gdn.causal_conv1d_varlen(x, w, b, seqs, pool, slot_ids, fresh_ids)
+    y_ref = ref.causal_conv1d_varlen_ref(x, w, b, seqs, pool_ref, slot_ids, fresh_ids)
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(y, y_ref, **tol)
+    assert torch.equal(pool, pool_ref)
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_verify_then_replay_equals_sequential_decode(impl):
+    """Speculative verify: one pass over R rows without writing, then a replay of the same inputs with
+    num_rows = accepted count. Request i accepts a = i + 1 rows: every a in 1..R in one batch. The
+    replay must leave exactly the state of a plain decode of the first a rows, and verify's outputs
+    for those rows must be the decode's outputs."""
+    R, Hk, Hv, dk, dv, C = 4, 2, 4, 16, 16, 40
+    slots, accepted = ids([3, 1, 6, 4]), ids([1, 2, 3, 4])
+    B = slots.shape[0]
+    upd = gdn.gdn_recurrent_update if impl == "triton" else ref.gdn_recurrent_update_ref
+    conv = gdn.conv1d_update if impl == "triton" else ref.conv1d_update_ref
+    q, k, v, g, beta = gdn_inputs(B * R, Hk, Hv, dk, dv, seed=5)
+    x, w, b, cpool = conv_inputs(B * R, C, seed=6)
+    spool = state_pool(Hv, dk, dv)
+    spool_seq, cpool_seq = spool.clone(), cpool.clone()
+    before = (spool.clone(), cpool.clone())
+
+    o_ver = upd(q, k, v, g, beta, spool, slots, accepted, R, False)
+    y_ver = conv(x, w, b, cpool, slots, accepted, R, False)
+    assert torch.equal(spool, before[0]) and torch.equal(cpool, before[1])
+    upd(q, k, v, g, beta, spool, slots, accepted, R, True)
+    conv(x, w, b, cpool, slots, accepted, R, True)
+
+    for r in range(R):  # plain decode, row r of every request; requests past their count do not write
+        rows = torch.arange(B, device=DEV) * R + r
+        live = (accepted > r).to(torch.int32)
+        o_r = upd(q[rows], k[rows], v[rows], g[rows], beta[rows], spool_seq, slots, live, 1, True)
+        y_r = conv(x[rows], w, b, cpool_seq, slots, live, 1, True)
+        keep = live.bool()
+        torch.testing.assert_close(o_ver[rows][keep], o_r[keep], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(y_ver[rows][keep], y_r[keep], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(spool, spool_seq, atol=1e-6, rtol=1e-6)
+    assert torch.equal(cpool, cpool_seq)
+
+
+def test_fla_available_is_false_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only behaviour")
+    assert gdn.fla_available() is False
+    assert "fla" not in sys.modules or sys.modules["fla"] is None
+
+
+# ------------------------------------------------------------------------------------- GPU only
+
+QWEN36 = dict(Hk=16, Hv=32, dk=128, dv=128)
+QWEN36_C = 2 * 16 * 128 + 32 * 128
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,R", [(1, 1), (64, 1), (8, 5), (64, 4)])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_update_kernels_qwen36_shapes(B, R, pool_dtype):
+    slots = torch.randperm(B, generator=_gen(B)).to(DEV, torch.int32) + 1
+    num_rows = torch.randint(0, R + 1, (B,), generator=_gen(R)).to(DEV, torch.int32)
+    q, k, v, g, beta = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16)
+    pool = (0.5 * torch.randn(B + 1, 32, 128, 128, device=DEV)).to(pool_dtype)
+    pool_ref = pool.clone()
+    o = gdn.gdn_recurrent_update(q, k, v, g, beta, pool, slots, num_rows, R, True)
+    o_ref = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool_ref, slots, num_rows, R, True)
+    torch.testing.assert_close(o, o_ref, **BF16_TOL)
+    torch.testing.assert_close(pool.float(), pool_ref.float(), atol=1e-4 if pool_dtype == torch.float32 else 2e-2,
+                               rtol=1e-4 if pool_dtype == torch.float32 else 2e-2)
+    x, w, b, _ = conv_inputs(B * R, QWEN36_C, dtype=torch.bfloat16, bias=False)
+    cpool = torch.randn(B + 1, QWEN36_C, K_CONV - 1, device=DEV, dtype=torch.bfloat16)
+    cpool_ref = cpool.clone()
+    y = gdn.conv1d_update(x, w, None, cpool, slots, num_rows, R, True)
+    y_ref = ref.conv1d_update_ref(x, w, None, cpool_ref, slots, num_rows, R, True)
+    torch.testing.assert_close(y, y_ref, **BF16_TOL)
+    assert torch.equal(cpool, cpool_ref)
+
+
+@needs_cuda
+def test_gpu_varlen_kernels_bf16():
+    lens, slots, fresh = [300, 1, 2, 1000], [1, 2, 3, 4], [True, False, False, True]
+    q, k, v, g, beta = gdn_inputs(sum(lens), **QWEN36, dtype=torch.bfloat16)
+    pool = 0.5 * torch.randn(5, 32, 128, 128, device=DEV)
+    pool_ref = pool.clone()
+    seqs, slot_ids, fresh_ids = cu(lens), ids(slots), ids(fresh, dtype=torch.bool)
+    o = gdn.gdn_varlen(q, k, v, g, beta, seqs, pool, slot_ids, fresh_ids)
+    o_ref = ref.gdn_varlen_ref(q, k, v, g, beta, seqs, pool_ref, slot_ids, fresh_ids)  # the chunked form
+    torch.testing.assert_close(o, o_ref, **BF16_TOL)
+    torch.testing.assert_close(pool, pool_ref, atol=1e-3, rtol=1e-3)
+    x, w, b, _ = conv_inputs(sum(lens), QWEN36_C, dtype=torch.bfloat16)
+    cpool = torch.randn(5, QWEN36_C, K_CONV - 1, device=DEV, dtype=torch.bfloat16)
+    cpool_ref = cpool.clone()
+    y = gdn.causal_conv1d_varlen(x, w, b, seqs, cpool, slot_ids, fresh_ids)
+    y_ref = ref.causal_conv1d_varlen_ref(x, w, b, seqs, cpool_ref, slot_ids, fresh_ids)
+    torch.testing.assert_close(y, y_ref, **BF16_TOL)
+    assert torch.equal(cpool, cpool_ref)
+
+
+@needs_cuda
+@pytest.mark.parametrize("R,write_state", [(1, True), (4, False), (4, True)])
+def test_gpu_update_kernels_in_cuda_graph(R, write_state):
+    """Captured once with static buffers; replayed with new inputs, slots and counts copied in."""
+    B = 16
+    q, k, v, g, beta = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16)
+    x, w, _, _ = conv_inputs(B * R, QWEN36_C, dtype=torch.bfloat16, bias=False)
+    static = [t.clone() for t in (q, k, v, g, beta, x)]
+    slots = torch.arange(1, B + 1, device=DEV, dtype=torch.int32)
+    num_rows = torch.full((B,), R, device=DEV, dtype=torch.int32)
+    pool = torch.randn(2 * B + 1, 32, 128, 128, device=DEV) * 0.5
+    cpool = torch.randn(2 * B + 1, QWEN36_C, K_CONV - 1, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        y = gdn.conv1d_update(static[5], w, None, cpool, slots, num_rows, R, write_state)
+        o = gdn.gdn_recurrent_update(*static[:5], pool, slots, num_rows, R, write_state)
+        return o, y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile) outside the capture, on scratch copies of the pools
+        saved = (pool.clone(), cpool.clone())
+        step()
+        pool.copy_(saved[0])
+        cpool.copy_(saved[1])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    new = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16, seed=9)
+    new_x = conv_inputs(B * R, QWEN36_C, dtype=torch.bfloat16, seed=9)[0]
+    for t, n in zip(static, (*new, new_x)):
+        t.copy_(n)
+    slots.copy_(torch.randperm(2 * B, generator=_gen(3))[:B].to(DEV, torch.int32) + 1)
+    num_rows.copy_(torch.randint(0, R + 1, (B,), generator=_gen(4)).to(DEV, torch.int32))
+    pool_ref, cpool_ref = pool.clone(), cpool.clone()
+    graph.replay()
+    o_ref = ref.gdn_recurrent_update_ref(*new, pool_ref, slots, num_rows, R, write_state)
+    y_ref = ref.conv1d_update_ref(new_x, w, None, cpool_ref, slots, num_rows, R, write_state)
+    torch.testing.assert_close(out[0], o_ref, **BF16_TOL)
+    torch.testing.assert_close(out[1], y_ref, **BF16_TOL)
+    torch.testing.assert_close(pool, pool_ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cpool, cpool_ref)
