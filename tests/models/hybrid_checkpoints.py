@@ -36,7 +36,8 @@ def _widen_routers_(model: torch.nn.Module) -> None:
 
 
 def make_tiny_hybrid(tmp_path: Path, kind: str = "qwen3_next", seed: int = 0, **overrides: Any) -> Path:
-    """kind: "qwen3_next" (Qwen3NextForCausalLM) or "qwen3_5_moe" (Qwen3_5MoeForConditionalGeneration)."""
+    """kind: "qwen3_next" (Qwen3NextForCausalLM), "qwen3_5" (Qwen3_5ForCausalLM, dense) or "qwen3_5_moe"
+    (Qwen3_5MoeForConditionalGeneration, the published vision-language form)."""
     from transformers import AutoModelForCausalLM
 
     cfg_kw = {**_COMMON, **overrides}
@@ -45,6 +46,14 @@ def make_tiny_hybrid(tmp_path: Path, kind: str = "qwen3_next", seed: int = 0, **
 
         config = Qwen3NextConfig(intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1,
                                  mlp_only_layers=[1], partial_rotary_factor=0.5, **cfg_kw)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    elif kind == "qwen3_5":  # dense Qwen3.5, text model
+        from transformers import Qwen3_5TextConfig
+
+        text = {k: v for k, v in cfg_kw.items() if "expert" not in k}
+        config = Qwen3_5TextConfig(intermediate_size=96, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, **text)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     elif kind == "qwen3_5_moe":

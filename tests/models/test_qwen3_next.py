@@ -13,7 +13,7 @@ from freetoken_core import LLM, SamplingParams
 from freetoken_core.core import Context, set_context
 from freetoken_core.kvcache.linear_state import LinearStatePool, LinearStateStep
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def hybrid(request, tmp_path_factory):
     path = make_tiny_hybrid(tmp_path_factory.mktemp(request.param), request.param)
     return request.param, path, hf_greedy(path, request.param, PROMPTS, MAX_NEW)
