@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import Batch, Req, to_device
+from ..core import Batch, Req, get_context, to_device
 from ..engine.engine import Engine
 from ..engine.graph import GraphRunner, default_bs_list
+from ..kvcache.linear_state import LinearStateStep
 from .ngram_device import append_committed, greedy_accept_rows, propose_device
 
 if torch.cuda.is_available():
@@ -76,6 +77,10 @@ class DevicePipeline:
         )
         # two Triton launches per step on the GPU; ~80 small torch ops otherwise (CPU, the reference)
         self.use_triton = dev.type == "cuda"
+        # hybrid (GDN) models: each slot's linear-state slot and its kept-row count, on the device
+        self.state_slots = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.all_rows = torch.full((self.max_bs,), self.rows_per_req, dtype=torch.int64, device=dev)
+        self._linear_steps: dict[int, LinearStateStep] = {}
         self._hist_len: dict[int, tuple[int, int]] = {}  # uid -> (table row, tokens valid in hist)
         self.members: list[Req] = []
         self.runner: GraphRunner | None = None
@@ -86,10 +91,6 @@ class DevicePipeline:
     def available(engine: Engine) -> bool:
         """On CUDA only as a graph (an eager step syncs for its attention metadata, which is what the
         synchronous path does anyway); on CPU eagerly, which exercises the same logic (tests)."""
-        if engine.linear_pool is not None:
-            # the accepted rows' replay into the GDN states runs on the host's counts (Engine.commit_verify)
-            log.info("hybrid (GDN) model: speculation verifies synchronously")
-            return False
         if engine.device.type != "cuda":
             return True
         info = engine.attn_backend.info
@@ -129,6 +130,31 @@ class DevicePipeline:
         self.seq_lens[:bs].copy_(lens + self.k)
         self.rows_i32[:bs].copy_(rows)
 
+    def _linear_state(self, bs: int) -> LinearStateStep | None:
+        """The verify step's GDN metadata, slots computed on the device from the page-table rows
+        (row r -> slot r + 1, the dummy row -> slot 0), into buffers a graph captures once."""
+        eng = self.engine
+        if eng.linear_pool is None:
+            return None
+        rows = self.table_rows[:bs]
+        self.state_slots[:bs].copy_(torch.where(rows == eng.cache.dummy_row, torch.zeros_like(rows), rows + 1))
+        step = self._linear_steps.get(bs)
+        if step is None:
+            step = LinearStateStep(eng.linear_pool, self.state_slots[:bs], varlen=False, num_rows=self.all_rows[:bs],
+                                   rows_per_req=self.rows_per_req, write_state=False)
+            self._linear_steps[bs] = step
+        return step
+
+    def _replay_linear_state(self, bs: int, step: LinearStateStep | None, out: torch.Tensor) -> None:
+        """After acceptance, on the device: advance every GDN state by its accepted rows (the last
+        committed token + the accepted drafts), replaying the verify step's saved inputs."""
+        if step is None:
+            return
+        kept = torch.where(self.active[:bs] != 0, out[:bs, 0] + 1, torch.zeros_like(out[:bs, 0]))
+        for layer in self.engine.model.modules():
+            if hasattr(layer, "replay_accepted"):
+                layer.replay_accepted(step, kept)
+
     def _accept(self, bs: int, logits: torch.Tensor) -> torch.Tensor:
         """Greedy acceptance of slots [0, bs) from the verify rows' logits; appends the committed
         tokens to the history, advances the lengths, returns the packed rows for the host."""
@@ -152,8 +178,12 @@ class DevicePipeline:
         bs = batch.padded_size or batch.size
         self._prepare(bs, batch.input_ids, batch.positions, batch.out_loc)
         self.engine.attn_backend.set_lengths_on_device(batch, self.seq_lens[:bs], self.rows_i32[:bs])
+        linear = self._linear_state(bs)
+        get_context().linear_state = linear
         model = self.engine.model
-        return self._accept(bs, model.lm_head.logits(model.forward(batch.input_ids, batch.positions)))
+        out = self._accept(bs, model.lm_head.logits(model.forward(batch.input_ids, batch.positions)))
+        self._replay_linear_state(bs, linear, out)
+        return out
 
     def _capture(self) -> None:
         eng = self.engine
@@ -255,4 +285,8 @@ class DevicePipeline:
             rows_per_req=self.rows_per_req,
         )
         eng = self.engine
-        return self._accept(n, eng.forward_logits(batch, eng.forward_batch(batch)))
+        linear = self._linear_state(n)
+        override = {"linear_state": linear} if linear is not None else {}
+        out = self._accept(n, eng.forward_logits(batch, eng.forward_batch(batch, **override)))
+        self._replay_linear_state(n, linear, out)
+        return out

@@ -46,18 +46,23 @@ def test_greedy_batched_chunked_matches_transformers(hybrid, page_size, overlap)
     llm.scheduler.cache.check()
 
 
-def test_speculation_is_token_identical(hybrid):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
+def test_speculation_is_token_identical(hybrid, pipelined):
+    """pipelined: overlap_schedule forced on (CPU), so greedy verify steps chain device-resident
+    (spec/pipeline.py) and the accepted rows' state replay runs from the device's counts."""
     kind, path, expected = hybrid
     llm = LLM(path, dtype="float32", page_size=4, max_running_req=3, num_pages=400, speculative="ngram",
-              num_speculative_tokens=3)
+              num_speculative_tokens=3, overlap_schedule=pipelined or None)
+    assert (llm.scheduler.spec.pipeline is not None) == pipelined
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert sum(o.spec_proposed for o in outs) > 0
     _all_free(llm)
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("stop_inside", [False, True])
-def test_every_accepted_count_leaves_the_accepted_state(hybrid, stop_inside):
+def test_every_accepted_count_leaves_the_accepted_state(hybrid, stop_inside, pipelined, monkeypatch):
     """An oracle drafter proposes the true greedy continuation with its first wrong token at a
     position that cycles through 0..k (and sometimes none wrong): verify steps accept every count
     1..k+1, and the GDN states must then hold exactly the accepted prefix, or the next tokens differ.
@@ -71,24 +76,43 @@ def test_every_accepted_count_leaves_the_accepted_state(hybrid, stop_inside):
         params = SamplingParams(max_tokens=n_new, ignore_eos=True, stop_token_ids=[want[1][13]])
         want = [w[: w.index(want[1][13]) + 1] if want[1][13] in w else w for w in want]
     llm = LLM(path, dtype="float32", page_size=4, max_running_req=3, num_pages=400, speculative="ngram",
-              num_speculative_tokens=k)
+              num_speculative_tokens=k, overlap_schedule=pipelined or None)
     calls = [0]
 
-    def oracle(decoders):
+    def continuation(i: int, done: int) -> list[int]:
+        cont = list(want[i][done: done + k])
+        wrong_at = calls[0] % (k + 2)  # k + 1: all right
+        calls[0] += 1
+        if wrong_at < len(cont):
+            cont[wrong_at] = (cont[wrong_at] + 1) % 256
+        return cont
+
+    def oracle(decoders):  # the synchronous path's drafter (host)
         drafts = {}
         for req in decoders:
-            i = PROMPTS.index(list(req.input_ids))
-            done = len(req.output_ids)
-            cont = list(want[i][done: done + k])
-            wrong_at = calls[0] % (k + 2)  # k + 1: all right
-            calls[0] += 1
-            if wrong_at < len(cont):
-                cont[wrong_at] = (cont[wrong_at] + 1) % 256
+            cont = continuation(PROMPTS.index(list(req.input_ids)), len(req.output_ids))
             if cont:
                 drafts[req.uid] = cont
         return drafts
 
+    def oracle_device(hist, lens, max_drafts, k_, min_ngram, max_ngram):  # the pipeline's (device rows)
+        drafts = torch.zeros((hist.shape[0], k_), dtype=torch.int64)
+        num = torch.zeros(hist.shape[0], dtype=torch.int64)
+        for b in range(hist.shape[0]):
+            tokens = hist[b, : int(lens[b])].tolist()
+            match = [i for i, p in enumerate(PROMPTS) if tokens[: len(p)] == p]
+            if not match:  # an idle padding slot
+                continue
+            cont = continuation(match[0], len(tokens) - len(PROMPTS[match[0]]))[: max(0, int(max_drafts[b]))]
+            drafts[b, : len(cont)] = torch.tensor(cont, dtype=torch.int64)
+            num[b] = len(cont)
+        return drafts, num
+
     llm.scheduler.spec.propose = oracle
+    if pipelined:
+        import freetoken_core.spec.pipeline as pipeline_module
+
+        monkeypatch.setattr(pipeline_module, "propose_device", oracle_device)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == want
     assert sum(o.spec_accepted for o in outs) >= 8  # long accepted runs really happened
