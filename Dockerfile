@@ -1,9 +1,10 @@
 # GPU deployment on NVIDIA's Triton image (it brings tritonserver, the Python backend and CUDA).
-# Build with the NGC image as base (24.10 = Triton 2.51, the release the nvidia-pytriton wheel carries):
-#   docker build --build-arg BASE_IMAGE=<NGC registry>/nvidia/tritonserver:24.10-py3 -t freetoken .
+# The base is NVIDIA's NGC image (24.10 = Triton 2.51, the release the nvidia-pytriton wheel carries),
+# named in full so that a plain build works wherever nvcr.io is reachable (set BASE_IMAGE for a mirror):
+#   docker build -t freetoken .
 #   docker run --gpus all --shm-size 1g -p 8000:8000 -p 8001:8001 -p 8002:8002 freetoken
 # Engine settings come from FREETOKEN_<NAME> variables (FREETOKEN_MODEL_PATH, FREETOKEN_DTYPE, ...).
-ARG BASE_IMAGE=tritonserver:24.10-py3
+ARG BASE_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
 FROM ${BASE_IMAGE}
 
 ENV PIP_NO_CACHE_DIR=1 \

@@ -12,7 +12,9 @@ passes `page_table[rows]`. Its paged kernels need page_block_size to be a multip
 Both align the causal mask to the end of the keys (query i of n sees keys up to kv_len - n + i),
 which is our "prefix + i" since the new K/V are stored first (KVCache.store).
 
-Not exercised by this project's tests: flash-attn is installed neither on CI nor on the GPU host.
+Untested: no flash-attn build is installed on CI or on the GPU host (PyPI's flash-attn is a source
+build of hours; flash-attn-4's CuTe-DSL API differs), so without a flash-attn 2.x the backend
+refuses at start and says how to install one (import_flash_attn).
 """
 
 from __future__ import annotations
@@ -29,14 +31,31 @@ from .base import AttnBackend, AttnLayout, BackendInfo
 FA_PAGE_MULTIPLE = 256
 
 
+FA_INSTALL_HINT = (
+    "install flash-attn 2.x, built against this torch and CUDA: `pip install flash-attn --no-build-isolation` "
+    "(PyPI has only its source: the build needs nvcc and takes hours; prebuilt wheels for some torch/CUDA pairs "
+    "are on github.com/Dao-AILab/flash-attention/releases); or use attention_backend='triton' (the default "
+    "on CUDA) or 'torch'"
+)
+
+
 def import_flash_attn() -> Any:
+    """flash-attn 2.x's paged-KV entry points, or ImportError saying how to get them.
+
+    flash-attn-4 (the CuTe-DSL build, `flash_attn.cute`) installs under the same `flash_attn` name but
+    has neither `flash_attn_with_kvcache` nor the block-table varlen call this backend uses."""
     try:
         import flash_attn
     except ImportError as e:
+        raise ImportError(f"attention backend 'fa' needs the `flash_attn` package, which is not installed: "
+                          f"{FA_INSTALL_HINT}") from e
+    missing = [name for name in ("flash_attn_with_kvcache", "flash_attn_varlen_func") if not hasattr(flash_attn, name)]
+    if missing:
+        version = getattr(flash_attn, "__version__", "unknown version")
         raise ImportError(
-            "attention backend 'fa' needs the `flash_attn` package (pip install flash-attn, a CUDA build); "
-            "use attention_backend='triton' or 'torch' instead"
-        ) from e
+            f"attention backend 'fa' needs flash-attn 2.x's paged-KV API, but the installed `flash_attn` "
+            f"({version}) has no {', '.join(missing)} (flash-attn-4, the CuTe-DSL build, is not supported): "
+            f"{FA_INSTALL_HINT}")
     return flash_attn
 
 

@@ -27,13 +27,20 @@ WORKSPACE_BYTES = 128 * 1024 * 1024  # flashinfer's documented example size
 
 
 def import_flashinfer() -> Any:
+    """flashinfer's paged wrappers, or ImportError saying how to get them."""
+    hint = ("`pip install flashinfer-python` (pure Python: it JIT-compiles its kernels with nvcc on first use, "
+            "so the CUDA toolkit must be installed; `flashinfer-cubin` adds prebuilt kernels); or use "
+            "attention_backend='triton' (the default on CUDA) or 'torch'")
     try:
         import flashinfer
     except ImportError as e:
-        raise ImportError(
-            "attention backend 'flashinfer' needs the `flashinfer` package (pip install flashinfer-python); "
-            "use attention_backend='triton' or 'torch' instead"
-        ) from e
+        raise ImportError(f"attention backend 'flashinfer' needs the `flashinfer` package, which is not "
+                          f"installed: {hint}") from e
+    missing = [n for n in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper")
+               if not hasattr(flashinfer, n)]
+    if missing:
+        raise ImportError(f"attention backend 'flashinfer' needs `flashinfer` with {', '.join(missing)}; the "
+                          f"installed {getattr(flashinfer, '__version__', 'version')} has none: {hint}")
     return flashinfer
 
 

@@ -69,6 +69,10 @@ class Scheduler:
         self._uids = itertools.count()
         self._last_was_prefill = False
         self._pending: _Pending | None = None  # the launched step whose tokens are not yet committed
+        # fault isolation (fail_step): the requests of the batches this step() launched, and the
+        # messages it produced so far (a step that raises must not lose them)
+        self._step_reqs: list[Req] = []
+        self._step_msgs: list[DetokenizeMsg] = []
         # overlap pays off on an asynchronous device; on CPU it only exercises the logic (tests)
         self.overlap = (
             self.engine.device.type == "cuda" if config.overlap_schedule is None else config.overlap_schedule
@@ -152,12 +156,43 @@ class Scheduler:
             generated_tokens_total=self.generated_tokens_total,
         )
 
+    def fail_step(self, error: str) -> list[DetokenizeMsg]:
+        """After step() raised: finish the requests of the step(s) in flight with `error` (their pages
+        and slots freed) and drop the in-flight state; everyone else keeps its state and runs on.
+
+        In flight: the batches this step() launched, the launched step whose tokens were not yet
+        committed (overlap scheduling) and a pipelined speculative step: up to two steps. Returns
+        the messages the failed step had already produced, then one error message per failed request."""
+        hit = list(self._step_reqs)
+        if self._pending is not None:
+            hit += self._pending.batch.reqs
+        self._pending = None
+        if self.spec is not None:
+            hit += self.spec.abandon()
+        msgs, self._step_msgs, self._step_reqs = self._step_msgs, [], []
+        msgs += self._outbox  # aborts queued meanwhile
+        self._outbox = []
+        seen: set[int] = set()
+        for req in hit:
+            if req.finished or req.uid in seen:
+                continue
+            seen.add(req.uid)
+            if req in self.waiting:  # retracted inside the failed step
+                self.waiting.remove(req)
+            req.inflight = 0
+            self._finish(req, "error")
+            msg = self._message(req, [], None)
+            msg.error = error
+            msgs.append(msg)
+        return msgs
+
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[DetokenizeMsg]:
         """Run one engine step. With overlap scheduling (CUDA), decode step N+1 is launched before
         step N's tokens are read back, so host work hides behind the device; prefill planning and
         retraction wait for the previous step (they need the true lengths)."""
         msgs, self._outbox = self._outbox, []
+        self._step_reqs, self._step_msgs = [], msgs
         decoders = self._decoders()
         prefill_pending = len(decoders) < len(self.running) or (bool(self.waiting) and self._row_free())
         if prefill_pending and not (decoders and self._last_was_prefill):
@@ -246,6 +281,7 @@ class Scheduler:
                 row += n
             if src:
                 gather = (prev.step.tokens, src, dst)
+        self._step_reqs.extend(batch.reqs)
         step = self.engine.launch(batch, banned, gather)
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.cached_len += n

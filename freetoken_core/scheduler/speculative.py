@@ -99,6 +99,7 @@ class SpecDecoder:
             return False
         if not pl.members:
             pl.start(decoders)
+        sched._step_reqs.extend(pl.members)  # fault isolation: these are in flight now
         step = pl.launch()
         prev, self._inflight = self._inflight, step
         if prev is not None:
@@ -149,6 +150,16 @@ class SpecDecoder:
                 self.sched.cache.rollback_tail(req, req.seq_len)
         pl.stop()
 
+    def abandon(self) -> list[Req]:
+        """After a failed step (Scheduler.fail_step): drop the pipelined step in flight, whose tokens
+        are lost, and stop the pipeline. Returns the requests it held; the caller fails them."""
+        members = list(self._inflight.members) if self._inflight is not None else []
+        self._inflight = None
+        if self.pipeline is not None:
+            members += self.pipeline.members
+            self.pipeline.members = []
+        return members
+
     # --- the verify step ----------------------------------------------------------------------
     def run_verify(self, decoders: list[Req], drafts: dict[int, list[int]], msgs: list[DetokenizeMsg]) -> None:
         sched, cache, engine = self.sched, self.sched.cache, self.sched.engine
@@ -165,6 +176,7 @@ class SpecDecoder:
             r.widen_pending(k, d + [r.output_ids[-1] if r.output_ids else r.input_ids[-1]] * (k - len(d)))
         num_drafts = [len(drafts.get(r.uid, [])) for r in batch_reqs]
         batch = engine.prepare_batch("verify", batch_reqs, [rows] * len(batch_reqs), rows_per_req=rows)
+        sched._step_reqs.extend(batch_reqs)  # fault isolation: these are in flight now
         logits = engine.forward_verify(batch).view(len(batch_reqs), rows, -1)
         self._ban_early_stops(logits, batch_reqs)
         committed = self._accept(logits, batch_reqs, num_drafts)

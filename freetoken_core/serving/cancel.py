@@ -1,62 +1,90 @@
-"""Cancellation that reaches the engine through an ensemble.
+"""Cancellation that reaches the engine through an ensemble, on a channel only the server can use.
 
 Triton (2.51) does not mark an in-flight request of a decoupled ensemble step as cancelled when the
 client cancels the ensemble: `response_sender.is_cancelled()` stays False and sends keep succeeding,
-so the engine would generate to max_tokens for nobody. The next step, the detokenizer, does see
-`request.is_cancelled()`. So every engine response carries a `cancel_key` naming the engine's
-cancel channel (an abstract-namespace Unix datagram socket, local to the host, nothing on disk) and
-the request; a detokenizer that sees a cancelled request sends the key there, and the engine
-thread aborts that request on its next loop (freeing its KV pages).
+so the engine would generate to max_tokens for nobody. Triton does mark the steps it schedules after
+the cancel, so the detokenizer sees `request.is_cancelled()` (benchmarks/repro_cancel_signals.py
+shows both). So an engine response meant for the ensemble's detokenizer carries a `cancel_key`; a
+detokenizer that sees its request cancelled sends the key back, and the engine thread aborts that
+request on its next loop (freeing its KV pages).
+
+Why no one else can cancel (issue 14, defect 2):
+- the key's token is 128 random bits per request (`secrets`), known only to the engine and to
+  the steps of that one request; a token the engine did not hand out is ignored;
+- the socket is a file in a fresh 0700 directory: only the server's user can reach it (an
+  abstract-namespace socket has no permissions at all);
+- the key never reaches a client: the engine adds it only to requests whose `return_cancel_key`
+  input is set, which the ensemble's tokenizer step does and a direct client does not, and the
+  detokenizer has no cancel output. A client that sets it anyway sees the key of its own request.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
+import secrets
+import shutil
 import socket
+import tempfile
+from pathlib import Path
 
 log = logging.getLogger(__name__)
-_counter = itertools.count()
+
+SOCKET_NAME = "engine.sock"
+DIR_PREFIX = "freetoken-cancel-"
+KEY_SEP = "#"  # the token is hex, so the last '#' splits "socket path#token"
 
 
 class CancelChannel:
-    """Engine side: a non-blocking datagram socket that receives cancel keys."""
+    """Engine side: a non-blocking datagram socket that receives cancel tokens it handed out."""
 
     def __init__(self) -> None:
-        self.name = f"freetoken-cancel-{os.getpid()}-{next(_counter)}"
+        self.dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))  # mode 0700: the server's user only
+        self.path = self.dir / SOCKET_NAME
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind("\0" + self.name)
+        self.sock.bind(str(self.path))
         self.sock.setblocking(False)
+        self._uids: dict[str, int] = {}  # token -> request uid, while the request runs
 
-    def key(self, uid: int) -> str:
-        return f"{self.name}:{uid}"
+    def register(self, uid: int) -> str:
+        """A fresh key that cancels request `uid` until `unregister` (the request finished)."""
+        token = secrets.token_hex(16)
+        self._uids[token] = uid
+        return f"{self.path}{KEY_SEP}{token}"
+
+    def unregister(self, key: str) -> None:
+        self._uids.pop(key.rpartition(KEY_SEP)[2], None)
 
     def poll(self) -> list[int]:
-        """uids cancelled since the last poll (never blocks)."""
+        """uids cancelled since the last poll (never blocks); tokens not handed out are ignored."""
         uids = []
         while True:
             try:
                 data = self.sock.recv(256)
             except (BlockingIOError, InterruptedError):
                 return uids
-            try:
-                uids.append(int(data.decode().rsplit(":", 1)[1]))
-            except (ValueError, IndexError):
-                log.warning("ignoring malformed cancel message %r", data[:64])
+            uid = self._uids.get(data.decode("ascii", errors="replace").strip())
+            if uid is None:  # forged, or a request that already finished: nothing to cancel
+                log.debug("ignoring a cancel token this engine did not hand out (%d bytes)", len(data))
+            else:
+                uids.append(uid)
 
     def close(self) -> None:
         self.sock.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def notify_cancel(key: str) -> bool:
     """Detokenizer side: tell the engine behind `key` that its request was cancelled."""
-    name, sep, _ = key.rpartition(":")
-    if not sep or not name.startswith("freetoken-cancel-"):
+    path, sep, token = key.rpartition(KEY_SEP)
+    # only ever write to a socket a CancelChannel made (the key comes from the ensemble, but a client
+    # calling the detokenizer directly could send any string)
+    p = Path(path)
+    if not sep or not token or p.name != SOCKET_NAME or not p.parent.name.startswith(DIR_PREFIX):
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         try:
-            s.sendto(key.encode(), "\0" + name)
+            s.sendto(token.encode("ascii", errors="replace"), os.fspath(p))
             return True
         except OSError:  # the engine is gone or its queue is full: nothing to stop
             return False

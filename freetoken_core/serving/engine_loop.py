@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -24,7 +24,8 @@ from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.metrics import EngineMetrics
 from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.cancel import CancelChannel
-from freetoken_core.serving.response import build_outputs
+from freetoken_core.serving.faults import is_device_fatal
+from freetoken_core.serving.response import build_outputs, build_probe
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ class LoopOptions:
     # response go out at once). 1 = a response per engine step; larger values trade streaming
     # granularity for fewer responses, each of which costs the ensemble a detokenizer execution.
     stream_interval: int = 1
+    # > 0: probe each non-streaming ensemble request this often (response.build_probe), so that a
+    # gRPC cancel reaches the engine before the request ends
+    nonstream_probe_interval_s: float = 0.0
 
 
 @dataclass
@@ -65,12 +69,17 @@ class ActiveRequest:
     stream_held: list[DetokenizeMsg] = field(default_factory=list)
     streamed: bool = False
     cancelled: bool = False
+    cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.return_cancel_key)
+    last_probe: float = 0.0
 
 
 class EngineLoop:
     def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None) -> None:
         self.sched = scheduler
+        # called once (from the engine thread) when the device became unusable (serving/faults.py)
+        self.on_device_fatal = on_device_fatal
+        self.dead: str | None = None  # why this engine can serve no more (set once, never cleared)
         self.transport = transport
         self.opt = options or LoopOptions()
         self.metrics = metrics or EngineMetrics()
@@ -121,13 +130,13 @@ class EngineLoop:
             if self._active and now - last_cancel_check >= self.opt.cancel_check_interval_s:
                 self._check_cancelled()
                 last_cancel_check = now
-            if self.sched.has_work():
+            if self.opt.nonstream_probe_interval_s and self._active:
+                self._send_probes(now)
+            if self.sched.has_work() and self.dead is None:
                 try:
                     msgs = self.sched.step()
-                except Exception as e:  # an engine failure must not hang clients: fail what is in flight
-                    log.exception("engine step failed")
-                    self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
-                    msgs = []
+                except Exception as e:  # an engine failure must not hang clients
+                    msgs = self._on_step_failure(e)
                 for msg in msgs:
                     self._on_message(msg)
             else:
@@ -138,12 +147,38 @@ class EngineLoop:
                 last_metrics = now
         self._fail_all("the server is shutting down")
 
+    def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg]:
+        """A step fault fails the requests of the step(s) in flight, and the engine serves on; a
+        device fault (sticky CUDA error) fails everything and ends this engine (serving/faults.py)."""
+        what = f"{type(e).__name__}: {e}"
+        if not is_device_fatal(e):
+            log.exception("engine step failed: failing the requests of the step(s) in flight")
+            try:
+                return self.sched.fail_step(f"the engine step running this request failed ({what})")
+            except Exception:  # the scheduler could not even clean up: nothing in it can be trusted
+                log.exception("recovering from the failed step failed: failing every request")
+                self._fail_all(f"the engine failed ({what})")
+                return []
+        log.critical("the device is unusable (%s): failing every request and unloading this model", what,
+                     exc_info=e)
+        self.dead = f"the engine's device failed ({what}); this model instance is unloading and serves no more"
+        self._fail_all(self.dead)
+        if self.on_device_fatal is not None:
+            try:
+                self.on_device_fatal(self.dead)
+            except Exception:
+                log.exception("on_device_fatal failed")
+        return []
+
     def _admit(self) -> None:
         while True:
             try:
                 handle, parsed, t_arrival = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            if self.dead is not None:
+                self.reject(handle, self.dead)
+                continue
             try:
                 uid = self.sched.add_request(parsed.input_ids, parsed.params)
             except ValueError as e:
@@ -154,7 +189,9 @@ class EngineLoop:
                 self.reject(handle, f"{type(e).__name__}: {e}")
                 continue
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
-            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window)
+            key = self._cancel_channel.register(uid) if parsed.return_cancel_key else ""
+            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window, cancel_key=key,
+                                              last_probe=t_arrival)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
 
     def _abort_gone(self) -> None:
@@ -185,6 +222,14 @@ class EngineLoop:
                 st.cancelled = True
                 self.sched.abort(uid)
 
+    def _send_probes(self, now: float) -> None:
+        for st in self._active.values():
+            if st.parsed.stream or not st.cancel_key or st.cancelled:
+                continue  # streams reach the detokenizer anyway; direct clients would see a probe
+            if now - st.last_probe >= self.opt.nonstream_probe_interval_s:
+                st.last_probe = now
+                self._outbox.put((st.handle, build_probe(st.cancel_key), None, False))
+
     def _on_message(self, msg: DetokenizeMsg) -> None:
         st = self._active.get(msg.uid)
         if st is None:
@@ -196,6 +241,7 @@ class EngineLoop:
         self.metrics.add_generated_tokens(len(msg.next_tokens))
         if msg.finished:
             del self._active[msg.uid]
+            self._cancel_channel.unregister(st.cancel_key)
             self.metrics.count_finish(msg.finish_reason or "stop")
             n_out = msg.num_output_tokens
             if st.t_first is not None and n_out > 1:
@@ -224,7 +270,8 @@ class EngineLoop:
             st.held_logprobs.extend(msg.logprobs)
         if msg.finished:
             outputs = build_outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                    [], st.parsed.prompt_text, st.parsed.detok_params, self._cancel_channel.key(st.uid))
+                                    [], st.parsed.prompt_text, st.parsed.detok_params, st.cancel_key,
+                                    st.parsed.omit_outputs)
             self._outbox.put((st.handle, outputs, None, True))
 
     def _fail_all(self, error: str) -> None:
@@ -234,11 +281,12 @@ class EngineLoop:
             except Exception:
                 log.exception("abort(%d) failed", uid)
             self.metrics.count_finish("error")
+            self._cancel_channel.unregister(st.cancel_key)
             self._outbox.put((st.handle, None, error, True))
         self._active.clear()
         # abort() queues final messages; drain them so the scheduler holds nothing for gone requests
         try:
-            while self.sched.has_work() and not self.sched.running and not self.sched.waiting:
+            while self.dead is None and self.sched.has_work() and not self.sched.running and not self.sched.waiting:
                 self.sched.step()
         except Exception:
             log.exception("draining aborted requests failed")
@@ -283,7 +331,7 @@ class EngineLoop:
             logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
             context = st.output_ids[st.window.start():]
             outputs = build_outputs(last, tokens, logprobs, context, "", st.parsed.detok_params,
-                                    self._cancel_channel.key(st.uid))
+                                    st.cancel_key, st.parsed.omit_outputs)
             st.output_ids.extend(tokens)
             st.window.push(tokens)
             if tokens or last.finished:

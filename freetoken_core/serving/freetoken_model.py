@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
     engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
@@ -26,8 +30,24 @@ INPUT_NAMES = (
     "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "random_seed",
     "min_tokens", "min_length", "ignore_eos", "beam_width", "stop_words", "stop_token_ids", "bad_words",
     "exclude_input_in_output", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
-    "return_finish_reason", "sampling_parameters", "text_input",
+    "return_finish_reason", "sampling_parameters", "text_input", "return_cancel_key",
 )
+
+
+def check_detokenizer_decoupled(model_dir: str) -> None:
+    """Probes (nonstream_cancel_probe_ms > 0) are invisible only to a decoupled detokenizer, which can
+    complete one with the FINAL flag alone; a plain one would answer each probe, and every client
+    would get extra responses. Refuse to start instead."""
+    cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
+    if not cfg.is_file():
+        log.warning("nonstream_cancel_probe_ms is set but %s is missing: make sure the ensemble's "
+                    "detokenizer is decoupled", cfg)
+        return
+    if not re.search(r"decoupled\s*:\s*true", re.sub(r"#[^\n]*", "", cfg.read_text())):
+        raise ValueError(
+            f"nonstream_cancel_probe_ms > 0 needs a decoupled detokenizer, but {cfg} is not: add "
+            "`model_transaction_policy { decoupled: true }` there (`freetoken-core serve` does) or set "
+            "nonstream_cancel_probe_ms to 0")
 
 
 class TritonTransport:
@@ -55,14 +75,22 @@ class FreetokenModel:
         from freetoken_core.scheduler.scheduler import Scheduler
 
         self.pb = pb_utils
+        self.model_name = args.get("model_name", "freetoken")
         model_config = json.loads(args["model_config"])
         params = parse_model_config_params(model_config)
         self.options = serving_options(params)
+        faults = parse_fault_specs(params.get("fault_injection", ""))
+        if faults:
+            log.warning("TEST ONLY: fault injection is on: %s", faults)
         config = engine_config_from_params(params)
         log.info("starting engine: %s", config)
         self.sched = Scheduler(config)
         self.max_tokens_limit = int(self.options["max_tokens_limit"]) or None
-        labels = {"model": args.get("model_name", "freetoken"), "version": str(args.get("model_version", "1"))}
+        self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
+        probe_ms = self.options["nonstream_cancel_probe_ms"]
+        if probe_ms > 0:
+            check_detokenizer_decoupled(args.get("model_repository", ""))
+        labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
         self.loop = EngineLoop(
             self.sched,
             TritonTransport(pb_utils),
@@ -70,19 +98,47 @@ class FreetokenModel:
                 cancel_check_interval_s=self.options["cancel_check_interval_ms"] / 1000.0,
                 metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
                 stream_interval=stream_interval(self.options),
+                nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
             ),
             TritonMetrics(pb_utils, labels),
+            on_device_fatal=self._unload_self,
         )
+        if faults:
+            install_fault_hook(self.sched, faults)
         self.loop.start()
-        stats = self.sched.stats()
+        try:
+            if any(f.kind == "init" for f in faults):
+                raise InjectedFault("injected fault in initialize()")
+            stats = self.sched.stats()
+        except BaseException:
+            # Triton then marks the model not ready (UNAVAILABLE) and logs the traceback; the engine
+            # threads must not outlive the failed load
+            self.loop.stop(timeout=5.0)
+            raise
         log.info("engine ready: %d KV pages of %d tokens", stats.num_total_pages, stats.page_size)
+
+    def _unload_self(self, reason: str) -> None:
+        """The device is unusable: unload this model (and the ensemble that needs it), so its ready
+        endpoint says so. Needs explicit model control, which `freetoken-core serve` uses; from a thread
+        of its own, because the unload calls finalize(), which joins the engine thread."""
+        def unload() -> None:
+            try:
+                self.pb.unload_model(model_name=self.model_name, unload_dependents=True)
+                log.error("unloaded model %s: %s", self.model_name, reason)
+            except Exception as e:  # noqa: BLE001 (not in explicit model control mode)
+                log.error("could not unload model %s (%s): every request now fails with: %s; restart the "
+                          "server (tritonserver --model-control-mode=explicit lets it unload itself)",
+                          self.model_name, e, reason)
+
+        threading.Thread(target=unload, name="freetoken-unload", daemon=True).start()
 
     def execute(self, requests: list[Any]) -> None:
         pb = self.pb
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_request(input_arrays(pb, request, INPUT_NAMES), self.max_tokens_limit)
+                parsed = parse_request(input_arrays(pb, request, INPUT_NAMES), self.max_tokens_limit,
+                                       max_nonstream_tokens=self.max_nonstream_tokens)
             except ValueError as e:
                 self.loop.reject(sender, str(e))
                 continue

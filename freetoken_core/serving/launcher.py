@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 from freetoken_core.serving.params import all_param_names, env_overrides
 from freetoken_core.serving.tritonserver import find_tritonserver, server_env
@@ -32,6 +33,11 @@ from freetoken_core.serving.tritonserver import find_tritonserver, server_env
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = ("tokenizer", "freetoken", "detokenizer", "ensemble")
+PR_SET_DEATHSIG = 1  # <sys/prctl.h>
+# Header a client must send to reach the model-repository (load/unload) API; the value is random per start.
+ADMIN_HEADER = "freetoken-admin"
+# Seconds tritonserver waits for in-flight requests after SIGTERM before it exits anyway.
+SERVER_EXIT_TIMEOUT_S = 10
 # Instance counts of the stateless Python models, overridable like the engine parameters.
 INSTANCE_ENV = {"tokenizer": "FREETOKEN_TOKENIZER_INSTANCES", "detokenizer": "FREETOKEN_DETOKENIZER_INSTANCES"}
 
@@ -79,6 +85,14 @@ def set_instance_count(config_text: str, count: int) -> str:
     return re.sub(r"(instance_group\s*\[\s*\{\s*count:\s*)\d+", rf"\g<1>{count}", config_text, count=1)
 
 
+def set_decoupled(config_text: str) -> str:
+    """Make a model config decoupled (after its max_batch_size line), unless it already is."""
+    if re.search(r"^\s*model_transaction_policy", config_text, re.M):
+        return config_text
+    return re.sub(r"^(max_batch_size:.*)$", r"\1\nmodel_transaction_policy { decoupled: true }", config_text,
+                  count=1, flags=re.M)
+
+
 def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping[str, str] | None = None,
                       source: Path | None = None) -> Path:
     """Copy the model repository to dest with the freetoken parameters filled in.
@@ -103,6 +117,10 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
     for model in ("tokenizer", "detokenizer"):
         p = dest / model / "config.pbtxt"
         p.write_text(set_parameter(p.read_text(), "model_path", model_path))
+    if float(get_parameter(text, "nonstream_cancel_probe_ms") or 0) > 0:
+        # probes must end inside the detokenizer without a response: only a decoupled model can do that
+        p = dest / "detokenizer" / "config.pbtxt"
+        p.write_text(set_decoupled(p.read_text()))
     for model, var in INSTANCE_ENV.items():
         if environ.get(var):
             p = dest / model / "config.pbtxt"
@@ -118,6 +136,7 @@ class ServerHandle:
     grpc_port: int
     metrics_port: int
     log_path: Path | None = None
+    admin_key: str = ""  # value of the ADMIN_HEADER the model-repository API demands (load/unload)
     _owned_dirs: list[Path] = field(default_factory=list)
 
     @property
@@ -160,14 +179,14 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def wait_ready(handle: ServerHandle, timeout: float = 600.0) -> None:
+def wait_ready(handle: ServerHandle, timeout: float = 600.0, models: tuple[str, ...] = MODEL_NAMES) -> None:
     """Poll until the server and every model report ready; fail fast if the server exits."""
     deadline = time.monotonic() + timeout
     base = f"http://localhost:{handle.http_port}"
     while time.monotonic() < deadline:
         if not handle.alive():
             raise RuntimeError(f"tritonserver exited with code {handle.process.returncode}:\n{handle.log_tail()}")
-        if _http_ok(f"{base}/v2/health/ready") and all(_http_ok(f"{base}/v2/models/{m}/ready") for m in MODEL_NAMES):
+        if _http_ok(f"{base}/v2/health/ready") and all(_http_ok(f"{base}/v2/models/{m}/ready") for m in models):
             return
         time.sleep(0.5)
     handle.stop()
@@ -184,7 +203,9 @@ def start_server(
     extra_args: list[str] | None = None,
     ready_timeout: float = 600.0,
 ) -> ServerHandle:
-    """Start tritonserver on a runtime copy of the repository and wait until it is ready."""
+    """Start tritonserver on a runtime copy of the repository and wait until it is ready.
+
+    The server dies with the thread that calls this (see `spawn_tritonserver`)."""
     overrides = dict(overrides or {})
     if not overrides.get("model_path") and not os.environ.get("FREETOKEN_MODEL_PATH"):
         # resolve (fetch + convert) here, with a visible log, instead of inside the server's initialize()
@@ -196,7 +217,31 @@ def start_server(
         repo_dir = Path(tempfile.mkdtemp(prefix="freetoken-repo-"))
         owned.append(repo_dir)
     render_repository(Path(repo_dir), overrides)
+    handle = spawn_tritonserver(Path(repo_dir), http_port, grpc_port, metrics_port, log_path, extra_args)
+    handle._owned_dirs.extend(owned)
+    try:
+        wait_ready(handle, ready_timeout)
+    except BaseException:
+        handle.stop()
+        raise
+    return handle
+
+
+def spawn_tritonserver(
+    repo_dir: Path,
+    http_port: int | None = None,
+    grpc_port: int | None = None,
+    metrics_port: int | None = None,
+    log_path: Path | None = None,
+    extra_args: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ServerHandle:
+    """Start tritonserver on `repo_dir` (free ports unless given); does not wait for readiness.
+
+    The server runs in its own session (a Ctrl-C meant for the launcher must not hit it before the
+    launcher unloads it cleanly), but its life is tied to the launcher's: see `die_with_parent`."""
     install = find_tritonserver()
+    admin_key = secrets.token_hex(16)
     ports = free_ports(3)
     http_port = http_port or ports[0]
     grpc_port = grpc_port or ports[1]
@@ -210,19 +255,47 @@ def start_server(
         f"--metrics-port={metrics_port}",
         "--allow-metrics=true",
         "--log-verbose=0",
+        # bounded shutdown: after a SIGTERM (ours, or the parent-death signal) in-flight requests get
+        # this long, then the server exits anyway and frees its ports and device memory
+        f"--exit-timeout-secs={SERVER_EXIT_TIMEOUT_S}",
+        # explicit model control (every model loaded at start) lets the engine unload itself when its
+        # device fails, so its ready endpoint says so (serving/faults.py). It also opens the
+        # load/unload API to clients: that stays closed unless a request carries this random header.
+        "--model-control-mode=explicit",
+        "--load-model=*",
+        f"--http-restricted-api=model-repository:{ADMIN_HEADER}={admin_key}",
+        f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={admin_key}",
         *(extra_args or []),
     ]
     log.info("starting %s", " ".join(cmd))
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, env=server_env(install), stdout=out, stderr=subprocess.STDOUT if out else None,
-                            start_new_session=True)
-    handle = ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, owned)
-    try:
-        wait_ready(handle, ready_timeout)
-    except BaseException:
-        handle.stop()
-        raise
-    return handle
+    proc = subprocess.Popen(cmd, env={**server_env(install), **(env or {})}, stdout=out,
+                            stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                            preexec_fn=die_with_parent(signal.SIGTERM))
+    return ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, admin_key=admin_key)
+
+
+def die_with_parent(sig: int) -> Callable[[], None]:
+    """A Popen preexec_fn: the child gets `sig` when the thread that started it dies, however it dies.
+
+    Without it a SIGKILLed launcher (OOM killer, CI timeout) leaves tritonserver running in its own
+    session, holding its ports and GPU memory (seen on the H200). Linux's PR_SET_DEATHSIG does this;
+    it fires when the *thread* that forked exits, so start the server from a long-lived thread (the
+    main thread, as `serve` and the tests do). If the launcher already died between fork and prctl,
+    the child has been re-parented: it exits at once. libc is resolved here, before the fork, so the
+    child runs no import machinery."""
+    import ctypes
+
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    prctl = libc.prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_DEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def sample_commands(handle: ServerHandle) -> str:

@@ -28,7 +28,20 @@ SERVING_DEFAULTS: dict[str, str] = {
     # Streaming: tokens per response (the first token always goes out at once). 1 = every engine
     # step; e.g. 4 cuts the ensemble's per-response work (detokenizer execution, gRPC message) by ~4x.
     "stream_interval": "1",
+    # Ceiling on max_tokens of a NON-streaming request (0 = none). Triton 2.51 tells no model that an
+    # HTTP /generate client disconnected (benchmarks/repro_cancel_signals.py), so such a request
+    # runs to its end for nobody: this bounds that waste. Streaming requests are not limited by it.
+    "max_nonstream_tokens": "4096",
+    # > 0: every this many ms, a non-streaming ensemble request sends an internal probe through the
+    # detokenizer, which sees a gRPC cancel there and stops the engine (Triton marks only the steps it
+    # schedules after a cancel). Needs a decoupled detokenizer (`serve` renders it so), which costs
+    # every streamed response one more IPC round trip; 0 = off: the cancel is noticed at the end.
+    "nonstream_cancel_probe_ms": "0",
 }
+
+
+# String parameters for tests only (serving/faults.py); empty in production.
+TEST_PARAMS: dict[str, str] = {"fault_injection": ""}
 
 
 def engine_param_names() -> list[str]:
@@ -36,7 +49,7 @@ def engine_param_names() -> list[str]:
 
 
 def all_param_names() -> list[str]:
-    return engine_param_names() + list(SERVING_DEFAULTS)
+    return engine_param_names() + list(SERVING_DEFAULTS) + list(TEST_PARAMS)
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:

@@ -39,6 +39,16 @@ class ParsedRequest:
     return_logprobs: bool = False
     prompt_text: str = ""  # put before the output (non-streaming echo), else ""
     detok_params: str = ""  # the detokenizer's settings as JSON ("" = defaults)
+    # outputs the client turned off (return_finish_reason / return_num_input_tokens /
+    # return_num_output_tokens = false): left out of every response, as TensorRT-LLM's ensemble does
+    omit_outputs: frozenset[str] = frozenset()
+    # set by the ensemble's tokenizer step: responses carry a cancel key for the detokenizer
+    # (serving/cancel.py); a direct client leaves it unset and never sees a cancel field
+    return_cancel_key: bool = False
+
+
+# return_<output> inputs: absent or true = send the output (the default), false = leave it out
+OPTIONAL_OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens")
 
 
 def _scalar(arr: np.ndarray | None) -> Any:
@@ -133,6 +143,7 @@ def parse_request(
     tensors: Mapping[str, np.ndarray],
     max_tokens_limit: int | None = None,
     vocab_size: int | None = None,
+    max_nonstream_tokens: int | None = None,
 ) -> ParsedRequest:
     """Validate one request; raise ValueError with a message that names the bad input or limit."""
     ids = tensors.get("input_ids")
@@ -187,7 +198,14 @@ def parse_request(
     exclude = _scalar(tensors.get("exclude_input_in_output"))
     exclude = True if exclude is None else bool(exclude)
     stream = bool(_scalar(tensors.get("stream")) or False)
+    if not stream and max_nonstream_tokens and params.max_tokens > max_nonstream_tokens:
+        raise ValueError(
+            f"max_tokens={params.max_tokens} exceeds max_nonstream_tokens={max_nonstream_tokens}, the server's "
+            "limit for a non-streaming request (a client that leaves HTTP /generate is not noticed before the "
+            "reply, so the server bounds the work): stream longer outputs (generate_stream, or stream=true)")
     prompt = _scalar(tensors.get("text_input"))
+    flags = {name: _scalar(tensors.get(f"return_{name}")) for name in OPTIONAL_OUTPUTS}
+    omit = frozenset(name for name, flag in flags.items() if flag is not None and not bool(flag))
     return ParsedRequest(
         input_ids=[int(t) for t in ids],
         params=params,
@@ -196,6 +214,8 @@ def parse_request(
         return_logprobs=params.logprobs is not None,
         prompt_text=_text(prompt) if (prompt is not None and not exclude and not stream) else "",
         detok_params=detok_params_json(params),
+        omit_outputs=omit,
+        return_cancel_key=bool(_scalar(tensors.get("return_cancel_key")) or False),
     )
 
 

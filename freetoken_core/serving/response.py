@@ -25,9 +25,12 @@ def build_outputs(
     prompt_text: str,
     detok_params: str,
     cancel_key: str = "",
+    omit: frozenset[str] = frozenset(),
 ) -> dict[str, np.ndarray]:
+    """One response's tensors. `omit` names outputs the client turned off (return_<name>=false);
+    `cancel_key` goes out only when set, i.e. only to the ensemble's detokenizer (serving/cancel.py)."""
     stop = msg.stop_reason
-    return {
+    out = {
         "next_tokens": np.asarray(next_tokens, dtype=np.int32),
         "context_tokens": np.asarray(context_tokens, dtype=np.int32),
         "finished": np.array([msg.finished], dtype=bool),
@@ -40,5 +43,22 @@ def build_outputs(
         "spec_proposed": np.array([msg.spec_proposed], dtype=np.uint32),
         "prompt_text": _bytes1(prompt_text),
         "detok_params": _bytes1(detok_params),
-        "cancel_key": _bytes1(cancel_key),  # see serving/cancel.py
+    }
+    for name in omit:
+        out.pop(name, None)
+    if cancel_key:
+        out["cancel_key"] = _bytes1(cancel_key)
+    return out
+
+
+def build_probe(cancel_key: str) -> dict[str, np.ndarray]:
+    """An internal response of a non-streaming ensemble request, while it runs: the ensemble schedules
+    the detokenizer for it, and Triton marks that new step cancelled if the client cancelled (it never
+    marks the engine's step in flight). The decoupled detokenizer forwards the cancel and completes
+    the probe with the FINAL flag alone, so no client sees it (benchmarks/repro_cancel_signals.py)."""
+    empty = np.zeros(0, dtype=np.int32)
+    return {
+        "next_tokens": empty, "context_tokens": empty, "finished": np.array([False]),
+        "stop_reason": _bytes1(""), "logprobs": np.zeros(0, dtype=np.float32), "prompt_text": _bytes1(""),
+        "detok_params": _bytes1(""), "cancel_key": _bytes1(cancel_key), "probe": np.array([True]),
     }

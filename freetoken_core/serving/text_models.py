@@ -8,12 +8,12 @@ feeds it again with every response.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 import numpy as np
 
 from freetoken_core.serving.cancel import notify_cancel
+from freetoken_core.serving.chat import parse_chat_messages
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
@@ -28,14 +28,14 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
     text = _scalar(tensors.get("text_input"))
     messages_json = _scalar(tensors.get("messages"))
     chat = bool(_scalar(tensors.get("apply_chat_template")) or False)
-    if messages_json is not None and _text(messages_json).strip():
-        try:
-            messages = json.loads(_text(messages_json))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"messages is not valid JSON: {e}") from None
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+    text = None if text is None else _text(text)
+    messages_json = None if messages_json is None else _text(messages_json)
+    if messages_json is not None and messages_json.strip():
+        if text:  # which one the client meant is a guess either way: refuse instead of picking one
+            raise ValueError("send either text_input or messages, not both (messages is the whole chat "
+                             "conversation; text_input with apply_chat_template=true is a one-turn chat)")
+        ids = tok.apply_chat_template(parse_chat_messages(messages_json), add_generation_prompt=True)
     elif text is not None:
-        text = _text(text)
         if chat:
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         else:
@@ -54,12 +54,20 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
     return {
         "input_ids": np.asarray(ids, dtype=np.int32),
         "stop_token_ids": np.asarray(stop_ids, dtype=np.int32),
+        # tells the engine that this request comes through the ensemble, whose detokenizer forwards
+        # cancels (serving/cancel.py); clients calling `freetoken` directly never get a cancel key
+        "return_cancel_key": np.array([True]),
     }
 
 
 def cancel_key_of(tensors: Mapping[str, np.ndarray]) -> str:
     """The engine's cancel key carried by an engine response ("" when it has none)."""
     return _text(_scalar(tensors.get("cancel_key")) or b"")
+
+
+def is_probe(tensors: Mapping[str, np.ndarray]) -> bool:
+    """An engine probe (response.build_probe): no text, nothing for the client."""
+    return bool(_scalar(tensors.get("probe")) or False)
 
 
 def forward_cancel(key: str) -> bool:
@@ -76,11 +84,13 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> di
     step = decode_step(tok, ctx, new, skip_special_tokens=skip, stop=stop,
                        include_stop_str_in_output=include, finished=finished)
     text = _text(_scalar(tensors.get("prompt_text")) or b"") + step.text
-    passthrough: dict[str, Any] = {
-        "next_tokens_out": np.asarray(new, dtype=np.int32),
-        "finish_reason_out": np.asarray(tensors.get("finish_reason", _bytes(""))).reshape(1).astype(np.object_),
-        "num_input_tokens_out": np.asarray(tensors.get("num_input_tokens", [0]), dtype=np.uint32).reshape(1),
-        "num_output_tokens_out": np.asarray(tensors.get("num_output_tokens", [0]), dtype=np.uint32).reshape(1),
-        "logprobs_out": np.asarray(tensors.get("logprobs", []), dtype=np.float32).reshape(-1),
-    }
+    passthrough: dict[str, Any] = {"next_tokens_out": np.asarray(new, dtype=np.int32)}
+    # Outputs the engine left out (the client sent return_<name>=false) stay out: the ensemble then
+    # leaves them out of its response too (Triton 2.51 skips an ensemble output no step produced).
+    if "finish_reason" in tensors:
+        passthrough["finish_reason_out"] = np.asarray(tensors["finish_reason"]).reshape(1).astype(np.object_)
+    for name in ("num_input_tokens", "num_output_tokens"):
+        if name in tensors:
+            passthrough[f"{name}_out"] = np.asarray(tensors[name], dtype=np.uint32).reshape(1)
+    passthrough["logprobs_out"] = np.asarray(tensors.get("logprobs", []), dtype=np.float32).reshape(-1)
     return {"text_output": _bytes(text), **passthrough}

@@ -41,3 +41,25 @@ def respond_each(
         except Exception as e:  # noqa: BLE001
             responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
     return responses
+
+
+def send_each(
+    pb_utils: Any, requests: list[Any], names: Iterable[str], handle: Callable[[Any, dict[str, np.ndarray]], dict | None]
+) -> None:
+    """Decoupled models: for each request, handle(request, inputs)'s response and the FINAL flag in one
+    send; when it returns None, the FINAL flag alone (no response at all). An exception fails only
+    its own request, with its message."""
+    names = tuple(names)
+    final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    for request in requests:
+        sender = request.get_response_sender()
+        try:
+            out = handle(request, input_arrays(pb_utils, request, names))
+            response = None if out is None else pb_utils.InferenceResponse(
+                [pb_utils.Tensor(k, v) for k, v in out.items()])
+        except Exception as e:  # noqa: BLE001
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        if response is None:
+            sender.send(flags=final)
+        else:
+            sender.send(response, flags=final)

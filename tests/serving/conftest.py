@@ -1,8 +1,8 @@
 """One real tritonserver for the whole serving session: the model repository + SmolLM2 on CPU.
 
 Started on free ports by the same launcher as `freetoken-core serve`, stopped at session end.
-Its settings are small on purpose (fp32, 16 running requests, page size 16) and add two limits
-the bad-input tests hit: max_seq_len 1024 and max_tokens_limit 512.
+Its settings are small on purpose (fp32, 16 running requests, page size 16) and add the limits
+the bad-input tests hit: max_seq_len 1024, max_tokens_limit 512, max_nonstream_tokens 64.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ SERVER_PARAMS = {
     "num_pages": "512",
     "max_seq_len": "1024",
     "max_tokens_limit": "512",
+    "max_nonstream_tokens": "64",
     "cancel_check_interval_ms": "20",
     "metrics_interval_ms": "50",
 }

@@ -90,3 +90,26 @@ def test_stream_interval_holds_tokens_but_not_the_first(llm):
             detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
         )
         assert text == exp.text
+
+
+def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(llm):
+    """Probes: internal, non-final, only for non-streaming requests that carry a cancel key (from the
+    ensemble); the real response is the last one, with the only FINAL flag."""
+    transport = RecordingTransport(0.0)
+    transport.expected = 2
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(nonstream_probe_interval_s=0.01))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = llm.encode("Write one sentence about cats.")
+    loop.start()
+    try:
+        loop.submit("ens", ParsedRequest(input_ids=ids, params=params, return_cancel_key=True))
+        loop.submit("direct", ParsedRequest(input_ids=ids, params=params))
+        assert transport.done.wait(120)
+    finally:
+        loop.stop()
+    ens, direct = transport.sent["ens"], transport.sent["direct"]
+    assert [f for _, _, f in ens].count(True) == 1 and ens[-1][2] and len(ens) > 1
+    probes = [out for out, _, _ in ens[:-1]]
+    assert all(out["probe"][0] and out["next_tokens"].size == 0 and out["cancel_key"][0] for out in probes)
+    assert "probe" not in ens[-1][0] and ens[-1][0]["next_tokens"].size == 24
+    assert len(direct) == 1 and "probe" not in direct[0][0] and "cancel_key" not in direct[0][0]

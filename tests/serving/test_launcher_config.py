@@ -61,3 +61,23 @@ def test_params_to_engine_config():
 def test_free_ports_distinct():
     ports = free_ports(3)
     assert len(set(ports)) == 3 and all(p > 0 for p in ports)
+
+
+def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path: Path):
+    from freetoken_core.serving.freetoken_model import check_detokenizer_decoupled
+
+    plain = render_repository(tmp_path / "plain", {"model_path": "/m"}, {})
+    assert "model_transaction_policy {" not in (plain / "detokenizer" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="needs a decoupled detokenizer"):
+        check_detokenizer_decoupled(str(plain / "freetoken"))
+    probed = render_repository(tmp_path / "probed", {"model_path": "/m", "nonstream_cancel_probe_ms": "100"}, {})
+    cfg = (probed / "detokenizer" / "config.pbtxt").read_text()
+    assert "model_transaction_policy { decoupled: true }" in cfg
+    check_detokenizer_decoupled(str(probed / "freetoken"))  # no error
+    assert serving_options({})["max_nonstream_tokens"] == 4096 and serving_options({})["nonstream_cancel_probe_ms"] == 0
+
+
+def test_dockerfile_default_base_image_is_a_full_ngc_reference():
+    """A plain `docker build .` must resolve the base on NVIDIA's registry (issue 14)."""
+    text = (source_repository().parent / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in text

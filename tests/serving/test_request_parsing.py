@@ -77,3 +77,31 @@ def test_sampling_parameters_types():
     d = parse_sampling_parameters('{"ignore_eos": "true", "top_p": "0.9", "seed": 4, "stop": ["a", "b"]}')
     assert d == {"ignore_eos": True, "top_p": 0.9, "seed": 4, "stop": ["a", "b"]}
     assert parse_sampling_parameters("") == {}
+
+
+def test_return_flags_false_omit_their_outputs():
+    r = parse_request(_t(return_finish_reason=np.array([False]), return_num_input_tokens=np.array([False]),
+                         return_num_output_tokens=np.array([True])))
+    assert r.omit_outputs == {"finish_reason", "num_input_tokens"}
+    assert parse_request(_t()).omit_outputs == frozenset()  # absent = sent (the default)
+
+
+def test_build_outputs_honours_omit_and_sends_cancel_key_only_when_set():
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.response import build_outputs
+
+    msg = DetokenizeMsg(uid=1, next_tokens=[5], finished=True, finish_reason="length", num_prompt_tokens=3,
+                        num_output_tokens=1)
+    out = build_outputs(msg, [5], None, [], "", "", omit=frozenset({"finish_reason", "num_output_tokens"}))
+    assert "finish_reason" not in out and "num_output_tokens" not in out and "cancel_key" not in out
+    assert int(out["num_input_tokens"][0]) == 3
+    assert "cancel_key" in build_outputs(msg, [5], None, [], "", "", cancel_key="k")
+
+
+def test_max_nonstream_tokens_bounds_only_non_streaming_requests():
+    with pytest.raises(ValueError, match="max_tokens=65 exceeds max_nonstream_tokens=64.*generate_stream"):
+        parse_request(_t(max_tokens=np.array([65], np.int32)), max_nonstream_tokens=64)
+    assert parse_request(_t(max_tokens=np.array([64], np.int32)), max_nonstream_tokens=64).params.max_tokens == 64
+    r = parse_request(_t(max_tokens=np.array([500], np.int32), stream=np.array([True])), max_nonstream_tokens=64)
+    assert r.stream and r.params.max_tokens == 500
+    assert parse_request(_t(max_tokens=np.array([500], np.int32)), max_nonstream_tokens=None).params.max_tokens == 500

@@ -1,0 +1,96 @@
+"""Against the real tritonserver: no client-visible response carries a cancel field, and a forged or
+guessed cancel key does not cancel anyone's request (issue 14, defect 2)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+
+import pytest
+
+from freetoken_core.serving.cancel import KEY_SEP, notify_cancel
+from serving_helpers import metric, scrape_metrics, wait_for
+from tests.serving.test_triton_server import PROMPT, _input, _post
+
+pytestmark = pytest.mark.serving
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+
+def _no_cancel_field(obj) -> bool:
+    return not any("cancel" in k for k in obj)
+
+
+def test_no_client_visible_response_carries_a_cancel_field(triton_server):
+    base = f"http://{triton_server.http_url}/v2/models"
+    # the engine model called directly (HTTP generate with input_ids): its outputs, no cancel key
+    status, body = _post(f"{base}/freetoken/generate", {"input_ids": [504, 3458, 282], "max_tokens": 3})
+    assert status == 200, body
+    direct = json.loads(body)
+    assert direct["next_tokens"] and _no_cancel_field(direct), direct
+    status, body = _post(f"{base}/ensemble/generate", {"text_input": PROMPT, "max_tokens": 3})
+    assert status == 200 and _no_cancel_field(json.loads(body)), body
+    status, body = _post(f"{base}/ensemble/generate_stream", {"text_input": PROMPT, "max_tokens": 3, "stream": True})
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and len(events) >= 2 and all(_no_cancel_field(e) for e in events), body
+    # gRPC, direct, streaming: no cancel_key output in any response
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer("freetoken", [_input("input_ids", [504, 3458, 282], "INT32"),
+                                                _input("max_tokens", 3, "INT32"), _input("stream", True, "BOOL")])
+        names = set()
+        while True:
+            result, error = q.get(timeout=60)
+            assert error is None, error
+            names |= {o.name for o in result.get_response().outputs}
+            if bool(result.as_numpy("finished")[0]):
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert "next_tokens" in names and _no_cancel_field(names), names
+
+
+def _aborted(server) -> float:
+    return metric(scrape_metrics(server.metrics_url), "freetoken_request_finished_total", finish_reason="abort")
+
+
+def test_forged_cancel_keys_do_not_cancel(triton_server):
+    """A request that asks for its own key (what the ensemble's tokenizer step does) learns the socket;
+    tokens it makes up there cancel nothing, the real one cancels at once."""
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    q: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    aborted0 = _aborted(triton_server)
+    try:
+        client.async_stream_infer("freetoken", [
+            _input("input_ids", [504, 3458, 282], "INT32"), _input("max_tokens", 400, "INT32"),
+            _input("stream", True, "BOOL"), _input("ignore_eos", True, "BOOL"),
+            _input("return_cancel_key", True, "BOOL")], enable_empty_final_response=True)
+        result, error = q.get(timeout=60)
+        assert error is None, error
+        key = result.as_numpy("cancel_key")[0].decode()
+        path, _, token = key.rpartition(KEY_SEP)
+        for forged in (f"{path}{KEY_SEP}{'0' * 32}", f"{path}{KEY_SEP}{token[::-1]}", f"{path}{KEY_SEP}1"):
+            assert notify_cancel(forged)  # delivered to the engine's socket...
+        time.sleep(0.5)
+        n_before = q.qsize()
+        time.sleep(0.5)
+        assert q.qsize() > n_before and _aborted(triton_server) == aborted0  # ...and ignored: still running
+        assert notify_cancel(key)
+        assert wait_for(lambda: _aborted(triton_server) == aborted0 + 1, 10)
+        tokens = 1
+        while True:  # the stream ends with one FINAL, long before 400 tokens
+            result, error = q.get(timeout=30)
+            assert error is None, error
+            resp = result.get_response()
+            tokens += result.as_numpy("next_tokens").size if resp.outputs else 0
+            if resp.parameters["triton_final_response"].bool_param:
+                break
+        assert tokens < 400
+    finally:
+        client.stop_stream()
+        client.close()
