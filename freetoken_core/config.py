@@ -89,7 +89,7 @@ class EngineConfig:
     max_extend_tokens: int = 2048  # token budget of one prefill step (chunked prefill)
     kv_cache_gb: float = 1.0  # CPU: memory budget of the KV cache
     memory_fraction: float = 0.85  # CUDA: fraction of free memory for the KV cache after weights
-    num_pages: int | None = None  # explicit page count (overrides both budgets; tests use it)
+    num_pages: int | None = None  # explicit count of usable K/V pages (overrides both budgets; tests use it)
     decode_rows_per_req: int = 1  # query rows one request may run per decode step (speculation: k+1)
     cuda_graph: bool = True  # capture decode with CUDA graphs (CUDA only)
     cuda_graph_max_bs: int | None = None

@@ -158,8 +158,8 @@ class Engine:
         cfg = self.config
         # never more than every row could use at full length (+1 dummy page)
         useful = cfg.max_running_req * pages_for(self.max_seq_len, cfg.page_size) + 1
-        if cfg.num_pages is not None:
-            return min(cfg.num_pages, useful)
+        if cfg.num_pages is not None:  # usable pages, as the metrics count them (+1: the dummy page)
+            return min(cfg.num_pages + 1, useful)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cfg.memory_fraction

@@ -54,3 +54,12 @@ def test_greedy_matches_transformers(tiny_model_factory, case):
         assert all(o.finish_reason == "length" for o in outs)
         assert llm.scheduler.cache.num_free_pages == llm.scheduler.cache.num_total_pages
         llm.scheduler.cache.check()
+
+
+def test_num_pages_counts_usable_pages(tiny_model_factory):
+    """num_pages=64 gives 64 pages to requests (the dummy page of graph padding is extra), as the
+    metrics' total-pages gauge reports them."""
+    llm = LLM(tiny_model_factory(arch="llama"), dtype="float32", page_size=4, max_running_req=2, num_pages=64)
+    cache = llm.scheduler.cache
+    assert cache.num_total_pages == 64 == cache.num_free_pages
+    assert llm.scheduler.engine.kv_cache.num_pages == 65

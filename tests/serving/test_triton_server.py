@@ -305,3 +305,10 @@ def test_metrics_after_traffic(triton_server):
     assert metric(m, "freetoken_num_requests_running") >= 0 and metric(m, "freetoken_num_requests_waiting") >= 0
     assert 0.0 <= metric(m, "freetoken_kv_cache_usage_ratio") <= 1.0
     assert metric(m, "freetoken_kv_cache_total_pages") > 0
+
+
+def test_num_pages_option_and_total_pages_metric_agree(triton_server):
+    from tests.serving.conftest import SERVER_PARAMS
+
+    m = scrape_metrics(triton_server.metrics_url)
+    assert metric(m, "freetoken_kv_cache_total_pages") == int(SERVER_PARAMS["num_pages"])
