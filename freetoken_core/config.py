@@ -101,6 +101,13 @@ class EngineConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     linear_state_dtype: str = "float32"  # hybrid (GDN) models: recurrent state dtype, float32 | bfloat16
+    # MoE models: where the routed experts live (freetoken_core/moe): auto | resident | offload | cpu | hybrid,
+    # and the device-slot budget of offload / hybrid (one of the three)
+    moe_strategy: str = "auto"
+    moe_cache_slots: int | None = None  # slots per MoE layer
+    moe_cache_gb: float | None = None  # GiB of slots over all MoE layers
+    moe_cache_rate: float | None = None  # a share of all experts (FreeToken's option)
+    moe_cpu_threads: int | None = None  # threads of the CPU expert executor (default: half the cores)
 
     def validate(self) -> None:
         if self.speculative not in (None, "ngram"):
@@ -122,6 +129,12 @@ class EngineConfig:
             raise ValueError(f"decode_rows_per_req must be >= 1, got {self.decode_rows_per_req}")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        from .moe import MOE_STRATEGIES
+
+        if self.moe_strategy not in MOE_STRATEGIES:
+            raise ValueError(f"unknown moe_strategy {self.moe_strategy!r}; known: {', '.join(MOE_STRATEGIES)}")
+        if sum(v is not None for v in (self.moe_cache_slots, self.moe_cache_gb, self.moe_cache_rate)) > 1:
+            raise ValueError("set only one of moe_cache_slots, moe_cache_gb, moe_cache_rate")
         if self.linear_state_dtype not in ("float32", "fp32", "bfloat16", "bf16"):
             raise ValueError(f"linear_state_dtype must be float32 or bfloat16, got {self.linear_state_dtype!r}")
         if not (0.0 < self.memory_fraction <= 1.0):

@@ -51,7 +51,10 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format)
+        self.moe_strategy = self._moe_strategy()
+        self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
+                                expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None)
+        self.moe_executors = self._place_experts()
         if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain
             use_gemv_for_all_sizes(self.model, rows=config.speculative is not None)
         model_max = int(getattr(self.model.config, "max_position_embeddings", MAX_DEFAULT_SEQ_LEN) or MAX_DEFAULT_SEQ_LEN)
@@ -86,6 +89,49 @@ class Engine:
             config.model_path, self.device, self.dtype, num_pages - 1, config.page_size, self.max_seq_len,
             self.attn_backend.info.name,
         )
+
+    # --- MoE expert placement (freetoken_core/moe) ----------------------------------------------
+    def _moe_strategy(self) -> str:
+        """`auto`: resident when every expert fits the device budget, else offload; "none" for dense models."""
+        from ..models.loader import load_config
+        from ..moe.placement import expert_bytes, moe_layout
+
+        strategy = self.config.moe_strategy
+        layout = moe_layout(load_config(self.config.model_path), self.dtype)
+        if layout is None:
+            return "none"
+        if strategy != "auto":
+            return strategy
+        if self.device.type != "cuda":
+            return "resident"
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fits = expert_bytes(layout) <= 0.9 * free * self.config.memory_fraction
+        log.info("moe_strategy auto: %.1f GiB of experts, %.1f GiB free -> %s", expert_bytes(layout) / 2**30,
+                 free / 2**30, "resident" if fits else "offload")
+        return "resident" if fits else "offload"
+
+    def _place_experts(self) -> list:
+        from ..moe.placement import place_experts
+
+        if self.moe_strategy in ("resident", "none"):
+            return []
+        executors, max_bs = place_experts(self.model, self.moe_strategy, self.config, self.device)
+        if max_bs < self.config.max_running_req:
+            log.warning("expert pools of %s slots hold one step of at most %d requests (x %d rows x top-k): "
+                        "max_running_req %d -> %d", executors[0].num_slots if hasattr(executors[0], "num_slots") else "?",
+                        max_bs, self.config.decode_rows_per_req, self.config.max_running_req, max_bs)
+            self.config.max_running_req = max_bs
+        if self.config.cuda_graph and self.device.type == "cuda":
+            log.warning("moe_strategy %s reads each layer's routing on the host: decoding without CUDA graphs",
+                        self.moe_strategy)
+            self.config.cuda_graph = False
+        return executors
+
+    def moe_stats(self) -> dict:
+        """Slot hit rate, bytes copied per token and misses per layer of the expert executors."""
+        from ..moe.stats import MoeStats
+
+        return MoeStats([ex.stats for ex in self.moe_executors]).summary()
 
     def _linear_state_pool(self) -> LinearStatePool | None:
         specs = self.model.linear_state_specs() if hasattr(self.model, "linear_state_specs") else []

@@ -37,24 +37,38 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     return topk_softmax_ref(router_logits, top_k, renormalize)
 
 
-class StackedExperts(nn.Module):
-    """E SwiGLU experts `down(silu(gate x) * up x)` held as [E, ...] weights."""
+def run_stacked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """sum over k of weight * expert(x) for stacked weights on x's device (all experts, or a slot pool)."""
+    if use_fused_moe(x):
+        from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None) -> None:
+        return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+class StackedExperts(nn.Module):
+    """E SwiGLU experts `down(silu(gate x) * up x)` held as [E, ...] weights.
+
+    `device` places the weights (the host, for offloaded strategies; default: where the model is
+    built). With an `executor` attached (freetoken_core/moe: device slot pools, the CPU executor) the
+    experts run there; without one, on the stacked weights themselves (`resident`)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
-                                      requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
+                                                     device=device), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype,
+                                                  device=device), requires_grad=False)
+        self.executor: object | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
-        if use_fused_moe(x):
-            from ..kernels import fused_moe
-
-            return fused_moe.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        if self.executor is not None:
+            return self.executor.forward(x, topk_weights, topk_ids)
+        return run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:
@@ -83,13 +97,13 @@ class SparseMoeBlock(nn.Module):
     """Router (`gate`, a [E, H] linear layer) -> top-k -> stacked experts. Called like a dense MLP."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 renormalize: bool, dtype: torch.dtype | None) -> None:
+                 renormalize: bool, dtype: torch.dtype | None, expert_device: torch.device | str | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)
-        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype)
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize)

@@ -36,10 +36,12 @@ class CausalLM(nn.Module):
     weight_rules: tuple[WeightRule, ...] = packed_rules(DENSE_PACKED)
     norm_cls: type[nn.Module] = RMSNorm  # the final norm's (and the blocks', by default) class
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
+                 expert_device: torch.device | str | None = None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.expert_device = expert_device  # MoE models: where the routed experts' weights live
         self.model = DecoderModel(config, dtype, self.make_layer, self.norm_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(

@@ -120,8 +120,10 @@ def pack_cpu_weights(model: torch.nn.Module) -> None:
 
 
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
-               device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto") -> torch.nn.Module:
-    """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights."""
+               device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto",
+               expert_device: torch.device | str | None = None) -> torch.nn.Module:
+    """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights.
+    expert_device: MoE models keep their routed experts there (the host, for offloaded strategies)."""
     path = check_model_path(model_path)
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
@@ -130,7 +132,7 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     cls = get_model_class(config)
     t0 = time.perf_counter()
     with torch.device(device):
-        model = cls(config, dtype)
+        model = cls(config, dtype, expert_device=expert_device) if expert_device is not None else cls(config, dtype)
     if load_format == "dummy":
         init_dummy_weights_(model)
     elif load_format == "auto":

@@ -51,7 +51,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         if is_sparse_layer(cfg, layer_id):
             mlp: nn.Module = SparseMoeBlock(
                 cfg.hidden_size, num_experts_of(cfg), int(cfg.num_experts_per_tok), cfg.moe_intermediate_size,
-                bool(getattr(cfg, "norm_topk_prob", False)), self.dtype,
+                bool(getattr(cfg, "norm_topk_prob", False)), self.dtype, self.expert_device,
             )
         else:
             mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, self.dtype)

@@ -61,8 +61,8 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     """Routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 shared_intermediate_size: int, dtype: torch.dtype) -> None:
-        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize, dtype)
+                 shared_intermediate_size: int, dtype: torch.dtype, expert_device: torch.device | str | None = None) -> None:
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize, dtype, expert_device)
         self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size, dtype)
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype)
 
@@ -77,10 +77,11 @@ class Qwen3NextForCausalLM(CausalLM):
     always_sparse = False  # Qwen3-Next follows mlp_only_layers / decoder_sparse_step
     always_renormalize = False  # ... and norm_topk_prob
 
-    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
+                 expert_device: torch.device | str | None = None) -> None:
         config = getattr(config, "text_config", None) or config
         self.layer_types = layer_types_of(config)
-        super().__init__(config, dtype)
+        super().__init__(config, dtype, expert_device)
 
     def make_layer(self, layer_id: int, rotary: Any) -> nn.Module:
         cfg = self.config
@@ -104,7 +105,7 @@ class Qwen3NextForCausalLM(CausalLM):
             renorm = self.always_renormalize or bool(getattr(cfg, "norm_topk_prob", False))
             return SharedExpertMoeBlock(cfg.hidden_size, num_experts_of(cfg), int(cfg.num_experts_per_tok),
                                         cfg.moe_intermediate_size, renorm, cfg.shared_expert_intermediate_size,
-                                        self.dtype)
+                                        self.dtype, self.expert_device)
         return DenseMLP(cfg.hidden_size, cfg.intermediate_size, self.dtype)
 
 

@@ -154,6 +154,8 @@ class Scheduler:
             page_size=self.cache.page_size,
             prompt_tokens_total=self.prompt_tokens_total,
             generated_tokens_total=self.generated_tokens_total,
+            # offloaded MoE experts: slot hit rate, bytes copied per token, misses per layer
+            extra={"moe": self.engine.moe_stats()} if getattr(self.engine, "moe_executors", None) else {},
         )
 
     def fail_step(self, error: str) -> list[DetokenizeMsg]:

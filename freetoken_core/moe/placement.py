@@ -1,0 +1,76 @@
+"""Place a loaded MoE model's routed experts by strategy: build each layer's executor from the
+experts' host weights and attach it to the layer (`StackedExperts.executor`).
+
+The weights were loaded on the host (`load_model(expert_device="cpu")`); on a CUDA machine they are
+pinned once here so that host -> device copies and the CPU executor read the same bank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from . import create_executor
+from .budget import ExpertShape, clamp_batch, slots_from_budget
+
+log = logging.getLogger(__name__)
+
+
+def moe_layout(config: Any, dtype: torch.dtype) -> ExpertShape | None:
+    """The expert shape of an HF config (text part of a VL config), or None for a dense model."""
+    cfg = getattr(config, "text_config", None) or config
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    inter = getattr(cfg, "moe_intermediate_size", None)
+    if not n or not inter:
+        return None
+    from ..models.qwen3_moe import is_sparse_layer
+
+    types = getattr(cfg, "model_type", "")
+    sparse = [i for i in range(cfg.num_hidden_layers) if types.startswith("qwen3_5") or is_sparse_layer(cfg, i)]
+    elem = torch.empty((), dtype=dtype).element_size()
+    return ExpertShape(len(sparse), int(n), int(cfg.num_experts_per_tok), 3 * cfg.hidden_size * inter * elem)
+
+
+def expert_bytes(shape: ExpertShape) -> int:
+    return shape.num_layers * shape.num_experts * shape.bytes_per_expert
+
+
+def moe_blocks(model: torch.nn.Module) -> list:
+    from ..layers.moe import SparseMoeBlock
+
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def place_experts(model: torch.nn.Module, strategy: str, config: Any, device: torch.device) -> tuple[list, int]:
+    """-> (one executor per MoE layer, the largest batch one step may hold: the decode-batch clamp)."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        raise ValueError(f"moe_strategy {strategy!r} needs a MoE model")
+    first = blocks[0].experts
+    shape = ExpertShape(len(blocks), first.num_experts, blocks[0].top_k,
+                        (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * first.gate_up_proj.element_size())
+    max_bs = config.max_running_req
+    slots = 0
+    if strategy in ("offload", "hybrid"):
+        slots = slots_from_budget(shape, config.moe_cache_slots, config.moe_cache_gb, config.moe_cache_rate)
+        if strategy == "offload":  # every routed expert of a step must be resident at once
+            max_bs = clamp_batch(slots, config.decode_rows_per_req, shape.top_k, shape.num_experts, max_bs).max_running_req
+    t0 = time.perf_counter()
+    executors = []
+    for block in blocks:
+        ex = block.experts
+        w13, w2 = ex.gate_up_proj.data, ex.down_proj.data
+        if device.type == "cuda" and not w13.is_pinned():
+            w13, w2 = w13.pin_memory(), w2.pin_memory()
+            ex.gate_up_proj.data, ex.down_proj.data = w13, w2
+        executor = create_executor(strategy, w13=w13, w2=w2, slots=slots, device=device,
+                                   threads=config.moe_cpu_threads)
+        ex.executor = executor
+        executors.append(executor)
+    log.info("experts placed (%s): %d MoE layers x %d experts, %d device slots per layer, host banks %.2f GiB "
+             "built in %.1f s", strategy, shape.num_layers, shape.num_experts, slots,
+             expert_bytes(shape) / 2**30, time.perf_counter() - t0)
+    return executors, max_bs
