@@ -232,7 +232,7 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
         model_path=str(model_dir), dtype="bfloat16", device="cuda", attention_backend=args.backend,
         max_running_req=max_bs, page_size=args.page_size, max_seq_len=max(max(args.prompts) + args.out_tokens + 16, args.prefill + 16),
         max_extend_tokens=max(args.prefill, 8192), load_format="dummy" if dummy else "auto",
-        memory_fraction=0.8, cuda_graph=not args.no_graph,
+        memory_fraction=0.8, cuda_graph=not args.no_graph, tensor_parallel_size=args.tp,
     )
     t0 = time.perf_counter()
     sched = Scheduler(cfg)  # shape dirs hold only config.json: token ids in, token ids out
@@ -273,6 +273,7 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
         flops = 2 * params * args.prefill + attn_flops
         print(f"prefill {args.prefill} tokens: {dt * 1e3:.0f} ms, {args.prefill / dt:.0f} tok/s, "
               f"{flops / dt / 1e12:.0f} TFLOP/s = {100 * flops / dt / mm:.0f}% of the measured matmul rate", flush=True)
+    sched.engine.close()  # tensor-parallel workers
     del sched
     gc.collect()
     torch.cuda.empty_cache()
@@ -294,6 +295,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks on GPUs 0..tp-1)")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--hf-tokens", type=int, default=64)
     args = ap.parse_args()

@@ -108,6 +108,7 @@ class EngineConfig:
     moe_cache_gb: float | None = None  # GiB of slots over all MoE layers
     moe_cache_rate: float | None = None  # a share of all experts (FreeToken's option)
     moe_cpu_threads: int | None = None  # threads of the CPU expert executor (default: half the cores)
+    tensor_parallel_size: int = 1  # ranks (one process each, rank 0 this one) sharding the model (distributed/)
 
     def validate(self) -> None:
         if self.speculative not in (None, "ngram"):
@@ -135,6 +136,11 @@ class EngineConfig:
             raise ValueError(f"unknown moe_strategy {self.moe_strategy!r}; known: {', '.join(MOE_STRATEGIES)}")
         if sum(v is not None for v in (self.moe_cache_slots, self.moe_cache_gb, self.moe_cache_rate)) > 1:
             raise ValueError("set only one of moe_cache_slots, moe_cache_gb, moe_cache_rate")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.moe_strategy not in ("auto", "resident"):
+            raise ValueError(f"moe_strategy {self.moe_strategy!r} does not run with tensor_parallel_size > 1; "
+                             "use resident (experts sharded over the ranks)")
         if self.linear_state_dtype not in ("float32", "fp32", "bfloat16", "bf16"):
             raise ValueError(f"linear_state_dtype must be float32 or bfloat16, got {self.linear_state_dtype!r}")
         if not (0.0 < self.memory_fraction <= 1.0):

@@ -51,6 +51,25 @@ class Engine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.tp = None
+        if config.tensor_parallel_size > 1:  # before the model: its layers are built as this rank's shard
+            from ..distributed.group import TensorParallelGroup
+
+            if self.device.type == "cuda" and config.cuda_graph:
+                log.warning("tensor_parallel_size %d: CUDA graphs with the collectives inside are not built yet; "
+                            "decoding eagerly", config.tensor_parallel_size)
+                config.cuda_graph = False
+            self.tp = TensorParallelGroup(config, self.device)
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp is not None:  # the workers wait for this rank's sizes: stop them, do not leave them hanging
+                self.tp.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        from ..models.loader import load_model
+
         self.moe_strategy = self._moe_strategy()
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
                                 expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None)
@@ -75,6 +94,13 @@ class Engine:
         self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device)
         self.attn_backend: AttnBackend = create_backend(config.attention_backend, layout, self.kv_cache, self.cache.page_table)
         self.ctx = Context(kv_cache=self.kv_cache, attn_backend=self.attn_backend)
+        if self.tp is not None:  # the workers size their shards of the K/V cache like this rank's
+            import torch.distributed as dist
+
+            self.tp.broadcast(dict(dtype=self.dtype, num_pages=num_pages, max_seq_len=self.max_seq_len,
+                                   max_running_req=config.max_running_req,
+                                   attention_backend=self.attn_backend.info.name))
+            dist.barrier()
         self.sampler = Sampler(self.device, config.seed)
         self.vocab_size = int(self.model.config.vocab_size)
         self.graph_runner: GraphRunner | None = None
@@ -293,6 +319,10 @@ class Engine:
             override["linear_state"] = self.linear_state_step(batch)
             if batch.phase == "verify":
                 self.last_verify_state = override["linear_state"]
+        if self.tp is not None:  # every rank runs this step over its shard
+            from ..distributed.plan import StepPlan
+
+            self.tp.send_plan(StepPlan.of(batch, [self.cache.pages_of(r) for r in batch.reqs]))
         with self.ctx.override(batch=batch, **override) as ctx:
             set_context(ctx)
             try:
@@ -352,6 +382,11 @@ class Engine:
             self.cache.flush()
             return runner.replay(batch)
         return self.forward_logits(batch, self.forward_batch(batch))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (no-op with one rank)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
         """Forward + sample, waiting for the result."""

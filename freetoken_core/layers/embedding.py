@@ -1,4 +1,6 @@
-"""Token embedding and LM head (one device; the names leave room for tensor parallelism)."""
+"""Token embedding and LM head, vocab-parallel under tensor parallelism: each rank holds V / n rows;
+the embedding sums the ranks' rows (each rank contributes the ids in its range), the LM head gathers
+the ranks' logits."""
 
 from __future__ import annotations
 
@@ -6,17 +8,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import pack_cpu_weight, packed_linear
+from ..parallel import all_gather_last_dim, all_reduce, tp_info
+from .linear import copy_checked, pack_cpu_weight, packed_linear
+
+
+def _vocab_shard(vocab_size: int) -> tuple[int, int]:
+    tp = tp_info()
+    local = tp.shard(vocab_size, "vocab_size")
+    return tp.rank * local, local
+
+
+def _load_vocab_rows(param: nn.Parameter, loaded: torch.Tensor, vocab_size: int) -> None:
+    start, local = _vocab_shard(vocab_size)
+    if tp_info().world_size > 1:
+        loaded = loaded.narrow(0, start, local)
+    copy_checked(param.data, loaded)
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.vocab_start, local = _vocab_shard(vocab_size)
+        self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if tp_info().world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        return all_reduce(out * mine[:, None].to(out.dtype))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
+        _load_vocab_rows(param, loaded, self.vocab_size)
 
 
 class ParallelLMHead(nn.Module):
@@ -31,14 +56,20 @@ class ParallelLMHead(nn.Module):
         if tied is not None:
             self.weight = tied.weight
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+            _, local = _vocab_shard(vocab_size)
+            self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype), requires_grad=False)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, hidden] -> fp32 [R, vocab]. The matmul runs in the model dtype (as transformers
         does); only the result is widened, so samplers and logprobs work in fp32."""
         if self.packed is not None and x.device.type == "cpu":
-            return packed_linear(x, self.packed, None).float()
-        return F.linear(x, self.weight).float()
+            logits = packed_linear(x, self.packed, None)
+        else:
+            logits = F.linear(x, self.weight)
+        return all_gather_last_dim(logits).float()
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
+        _load_vocab_rows(param, loaded, self.vocab_size)
 
     def pack_for_cpu(self) -> None:
         self.packed = pack_cpu_weight(self.weight)

@@ -83,6 +83,10 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     def __init__(self, config: Any, state_index: int, dtype: torch.dtype) -> None:
         super().__init__()
+        from ..parallel import tp_info
+
+        if tp_info().world_size > 1:
+            raise ValueError("gated-delta-net (hybrid) models do not run with tensor_parallel_size > 1 yet")
         self.state_index = state_index
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim

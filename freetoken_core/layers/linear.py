@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..env import kernel_env
+from ..parallel import all_reduce, tp_info
 
 
 # One-row CUDA inputs of weights at least this large go to the Triton GEMV (kernels/gemv.py);
@@ -56,10 +57,22 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b). W is [out, in] like the checkpoint."""
+    """y = x W^T (+ b). W is [out, in] like the checkpoint.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
+    Tensor parallelism (freetoken_core/parallel.py): `parallel="column"` keeps this rank's rows of
+    W (its share of the outputs), `"row"` its columns (its share of the inputs) and sums the partial
+    outputs over the ranks (the bias added once, after the sum). The checkpoint holds the whole
+    weight; `weight_loader` takes this rank's slice. One rank: both are the plain layer."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None,
+                 parallel: str | None = None):
         super().__init__()
+        tp = tp_info()
+        self.parallel = parallel if tp.world_size > 1 else None
+        if self.parallel == "column":
+            out_features = tp.shard(out_features, "output features")
+        elif self.parallel == "row":
+            in_features = tp.shard(in_features, "input features")
         self.in_features, self.out_features = in_features, out_features
         self.weight = _param((out_features, in_features), dtype)
         self.bias = _param((out_features,), dtype) if bias else None
@@ -68,16 +81,22 @@ class Linear(nn.Module):
         self.rows_gemm = False  # 2..16 rows on the Triton kernel too (use_gemv_for_all_sizes(rows=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row":
+            y = all_reduce(self._matmul(x, None))
+            return y if self.bias is None else y + self.bias
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu":
-            return packed_linear(x, self.packed, self.bias)
+            return packed_linear(x, self.packed, bias)
         if x.is_cuda:
             from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
 
             if triton_gemv.use_gemv(x, self.weight, self.gemv_min_elements):  # batch-1 decode: beats cuBLAS
-                return triton_gemv.gemv(x, self.weight, self.bias)
+                return triton_gemv.gemv(x, self.weight, bias)
             if self.rows_gemm and triton_gemv.use_rows_gemm(x, self.weight, self.gemv_min_elements):
-                return triton_gemv.rows_gemm(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+                return triton_gemv.rows_gemm(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def pack_for_cpu(self) -> None:
         """Call after loading weights; the dense weight stays (for loading and inspection)."""
@@ -86,6 +105,11 @@ class Linear(nn.Module):
     def shard_rows(self, shard: str | int) -> tuple[int, int]:
         """(offset, size) of a checkpoint shard in the output rows; plain layers have one shard."""
         return 0, self.out_features
+
+    def source_rows(self, shard: str | int | None) -> tuple[int, int]:
+        """(offset, size) of this rank's rows in the checkpoint tensor of `shard`."""
+        off, size = (0, self.out_features) if shard is None else self.shard_rows(shard)
+        return (tp_info().rank * size, size) if self.parallel == "column" else (0, size)
 
     def load_units(self, param: nn.Parameter) -> list[str | int | None]:
         """The checkpoint shards that together fill `param` (models/weights.py checks each arrives)."""
@@ -97,17 +121,40 @@ class Linear(nn.Module):
         else:
             off, size = self.shard_rows(shard)
             dst = param.data.narrow(0, off, size)
+        if self.parallel == "row" and param is self.weight:
+            loaded = loaded.narrow(1, tp_info().rank * self.in_features, self.in_features)
+        elif self.parallel is not None and not (self.parallel == "row" and param is self.bias):
+            src_off, size = self.source_rows(shard)
+            if loaded.shape[0] != size * tp_info().world_size:
+                raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} does not split into "
+                                 f"{tp_info().world_size} shards of {size} rows")
+            loaded = loaded.narrow(0, src_off, size)
         copy_checked(dst, loaded)
 
 
 class QKVLinear(Linear):
-    """q, k and v projections fused: output rows are [q (H*D) | k (Hkv*D) | v (Hkv*D)]."""
+    """q, k and v projections fused: output rows are [q (H*D) | k (Hkv*D) | v (Hkv*D)].
+
+    With tensor parallelism each rank keeps H/n query heads and Hkv/n KV heads, or, when there are
+    fewer KV heads than ranks, a copy of the one KV head its query heads use."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  bias: bool = False, dtype: torch.dtype | None = None):
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
+        tp = tp_info()
+        self.head_dim = head_dim
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        if num_kv_heads >= tp.world_size:
+            self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+            self.kv_start = tp.rank * self.num_kv_heads
+        else:  # replicated: rank r's query heads share KV head r * Hkv // n
+            if tp.world_size % num_kv_heads:
+                raise ValueError(f"num_key_value_heads={num_kv_heads} neither splits over nor divides "
+                                 f"tensor_parallel_size={tp.world_size}")
+            self.num_kv_heads, self.kv_start = 1, tp.rank * num_kv_heads // tp.world_size
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
         super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias, dtype)
+        self.parallel = "column" if tp.world_size > 1 else None
 
     def load_units(self, param: nn.Parameter) -> list[str | int | None]:
         return ["q", "k", "v"]
@@ -116,17 +163,37 @@ class QKVLinear(Linear):
         return {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                 "v": (self.q_size + self.kv_size, self.kv_size)}[shard]
 
+    def source_rows(self, shard: str | int | None) -> tuple[int, int]:
+        if self.parallel is None:
+            return super().source_rows(shard)
+        if shard == "q":
+            return tp_info().rank * self.q_size, self.q_size
+        return self.kv_start * self.head_dim, self.kv_size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | int | None = None) -> None:
+        if self.parallel is None:
+            return super().weight_loader(param, loaded, shard)
+        off, size = self.shard_rows(shard)
+        src_off, _ = self.source_rows(shard)
+        copy_checked(param.data.narrow(0, off, size), loaded.narrow(0, src_off, size))
+
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views (no copies) of the fused output."""
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input fused along the output rows (gate/up: shards 0, 1)."""
+    """Several projections of the same input fused along the output rows (gate/up: shards 0, 1);
+    with `parallel="column"` each rank keeps its share of every segment."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None,
+                 parallel: str | None = None):
+        tp = tp_info()
+        if parallel == "column" and tp.world_size > 1:
+            out_sizes = [tp.shard(n, "a fused projection's segment") for n in out_sizes]
         self.out_sizes = list(out_sizes)
         super().__init__(in_features, sum(out_sizes), bias, dtype)
+        self.parallel = parallel if tp.world_size > 1 else None
 
     def load_units(self, param: nn.Parameter) -> list[str | int | None]:
         return list(range(len(self.out_sizes)))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..env import kernel_env
+from ..parallel import all_reduce, tp_info
 from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref
 from .linear import Linear, copy_checked
 
@@ -57,6 +58,10 @@ class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype | None,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
+        # tensor parallelism: each rank keeps its share of every expert's intermediate dimension
+        # (column-parallel gate/up, row-parallel down) and the layer sums the ranks' outputs
+        self.full_intermediate_size = intermediate_size
+        intermediate_size = tp_info().shard(intermediate_size, "moe_intermediate_size")
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
                                                      device=device), requires_grad=False)
@@ -68,7 +73,7 @@ class StackedExperts(nn.Module):
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
         if self.executor is not None:
             return self.executor.forward(x, topk_weights, topk_ids)
-        return run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:
@@ -79,6 +84,7 @@ class StackedExperts(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None,
                       expert: int | None = None) -> list[tuple[int, int | None]]:
         """One expert's gate (shard 0), up (shard 1) or down weight, or (expert None) the whole stack."""
+        loaded = self._rank_slice(param, loaded, shard, stacked=expert is None)
         if expert is None:
             copy_checked(param.data, loaded)
             return self.load_units(param)
@@ -91,6 +97,21 @@ class StackedExperts(nn.Module):
             dst = dst.narrow(0, shard * self.intermediate_size, self.intermediate_size)
         copy_checked(dst, loaded)
         return [(expert, shard if param is self.gate_up_proj else None)]
+
+
+    def _rank_slice(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None, stacked: bool) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (all of it with one rank)."""
+        tp = tp_info()
+        if tp.world_size == 1:
+            return loaded
+        i, full = self.intermediate_size, self.full_intermediate_size
+        lo = tp.rank * i
+        if param is self.down_proj:  # [.., H, I]: the intermediate columns
+            return loaded.narrow(loaded.dim() - 1, lo, i)
+        if not stacked:  # one expert's gate or up [I, H]
+            return loaded.narrow(0, lo, i)
+        rows = 1  # the stack [E, 2I, H]: this rank's gate rows, then its up rows
+        return torch.cat([loaded.narrow(rows, lo, i), loaded.narrow(rows, full + lo, i)], dim=rows)
 
 
 class SparseMoeBlock(nn.Module):

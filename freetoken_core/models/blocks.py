@@ -43,13 +43,16 @@ class Attention(nn.Module):
                  norm_cls: type[nn.Module] = RMSNorm, q_outputs_per_head: int = 1) -> None:
         super().__init__()
         self.layer_id = kv_index  # the backend indexes the K/V pool by it
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
-        # q_outputs_per_head 2: q_proj emits [q | gate] per head (gated attention)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.num_heads * q_outputs_per_head, self.num_kv_heads,
+        # q_outputs_per_head 2: q_proj emits [q | gate] per head (gated attention). Under tensor
+        # parallelism the projection keeps this rank's heads, o_proj sums the ranks' outputs.
+        self.qkv_proj = QKVLinear(config.hidden_size, num_heads * q_outputs_per_head, num_kv_heads,
                                   self.head_dim, bias=qkv_bias, dtype=dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads // q_outputs_per_head  # this rank's
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = Linear(num_heads * self.head_dim, config.hidden_size, bias=o_bias, dtype=dtype, parallel="row")
         self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.rotary = rotary  # shared by all layers (registered once, on the model)
@@ -97,8 +100,9 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias, dtype=dtype,
+                                         parallel="column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -119,6 +119,9 @@ class EngineLoop:
         if self._sender_thread.is_alive():
             self._sender_thread.join(timeout)
         self._cancel_channel.close()
+        engine = getattr(self.sched, "engine", None)
+        if hasattr(engine, "close"):  # tensor-parallel workers stop with the model (finalize)
+            engine.close()
 
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:

@@ -37,7 +37,11 @@ class DeviceFatalError(RuntimeError):
 
 
 def is_device_fatal(exc: BaseException) -> bool:
-    return isinstance(exc, DeviceFatalError) or bool(_STICKY_CUDA.search(f"{type(exc).__name__}: {exc}"))
+    """Also a dead tensor-parallel rank: no later step can run (the model must report not ready)."""
+    from ..distributed.group import TensorParallelError
+
+    return (isinstance(exc, (DeviceFatalError, TensorParallelError))
+            or bool(_STICKY_CUDA.search(f"{type(exc).__name__}: {exc}")))
 
 
 @dataclass(frozen=True)
