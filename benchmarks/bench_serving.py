@@ -129,7 +129,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[16], help="several: one table row each")
+    p.add_argument("--load-format", default=None, help="dummy: random weights of config.json's shape")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-pages", type=int, default=None)
@@ -145,17 +146,24 @@ def main() -> int:
     engine_kw = {"dtype": args.dtype, "device": args.device}
     if args.num_pages:
         engine_kw["num_pages"] = args.num_pages
-    if args.only != "triton":
-        offline = bench_offline(model_path, prompts, args.output_tokens, args.concurrency, engine_kw)
-        print(f"in-process LLM:      {offline:8.1f} output tok/s", flush=True)
-    if args.only != "offline":
-        served = bench_triton(model_path, prompts, args.output_tokens, args.concurrency, engine_kw, not args.no_stream)
-        print(f"tritonserver {'stream' if not args.no_stream else 'single'}: {served:8.1f} output tok/s", flush=True)
-    if args.only:
-        return 0
-    print(f"ratio triton/in-process: {served / offline:.3f}  "
-          f"({args.requests} requests, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
-          f"concurrency {args.concurrency})")
+    if args.load_format:
+        engine_kw["load_format"] = args.load_format
+    rows = []
+    for c in args.concurrency:
+        offline = served = float("nan")
+        if args.only != "triton":
+            offline = bench_offline(model_path, prompts, args.output_tokens, c, engine_kw)
+            print(f"concurrency {c}: in-process LLM {offline:8.1f} output tok/s", flush=True)
+        if args.only != "offline":
+            served = bench_triton(model_path, prompts, args.output_tokens, c, engine_kw, not args.no_stream)
+            print(f"concurrency {c}: tritonserver {'stream' if not args.no_stream else 'single'} {served:8.1f} "
+                  "output tok/s", flush=True)
+        rows.append((c, offline, served))
+    print(f"\n{args.requests} requests, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
+          f"engine {engine_kw}")
+    print("| concurrency | in-process tok/s | served tok/s | served / in-process |\n|---|---|---|---|")
+    for c, offline, served in rows:
+        print(f"| {c} | {offline:.1f} | {served:.1f} | {served / offline:.3f} |")
     return 0
 
 

@@ -25,10 +25,13 @@ from freetoken_core.serving.metrics import EngineMetrics
 from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.cancel import CancelChannel
 from freetoken_core.serving.faults import is_device_fatal
-from freetoken_core.serving.response import build_outputs, build_probe
+from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, build_probe
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
+
+# how often a stream's responses carry its cancel key (= CancelCheckLimiter's default interval)
+CANCEL_KEY_INTERVAL_S = 0.2
 
 
 class Transport(Protocol):
@@ -71,6 +74,22 @@ class ActiveRequest:
     cancelled: bool = False
     cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.return_cancel_key)
     last_probe: float = 0.0
+    key_sent_at: float | None = None  # when a response last carried cancel_key (sender thread)
+
+    def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
+                context: list[int], prompt_text: str, now: float) -> dict:
+        """This response's tensors: the slim ensemble shape for the ensemble's requests (only what the
+        detokenizer needs for this one response), the full one for direct clients, whose outputs stay
+        as config.pbtxt lists them. The cancel key rides on the first response and then once per
+        CANCEL_KEY_INTERVAL_S: the detokenizer asks Triton about a cancel only that often anyway."""
+        if not self.cancel_key:
+            return build_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, "",
+                                 self.parsed.omit_outputs)
+        key = ""
+        if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
+            key, self.key_sent_at = self.cancel_key, now
+        return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
+                                      self.parsed.omit_outputs)
 
 
 class EngineLoop:
@@ -272,9 +291,8 @@ class EngineLoop:
         if msg.logprobs:
             st.held_logprobs.extend(msg.logprobs)
         if msg.finished:
-            outputs = build_outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                    [], st.parsed.prompt_text, st.parsed.detok_params, st.cancel_key,
-                                    st.parsed.omit_outputs)
+            outputs = st.outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
+                                 [], st.parsed.prompt_text, now)
             self._outbox.put((st.handle, outputs, None, True))
 
     def _fail_all(self, error: str) -> None:
@@ -333,8 +351,7 @@ class EngineLoop:
             tokens = [t for m in msgs for t in m.next_tokens]
             logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
             context = st.output_ids[st.window.start():]
-            outputs = build_outputs(last, tokens, logprobs, context, "", st.parsed.detok_params,
-                                    st.cancel_key, st.parsed.omit_outputs)
+            outputs = st.outputs(last, tokens, logprobs, context, "", time.perf_counter())
             st.output_ids.extend(tokens)
             st.window.push(tokens)
             if tokens or last.finished:

@@ -51,6 +51,49 @@ def build_outputs(
     return out
 
 
+# meta[0] bits of an ensemble response (build_ensemble_outputs), read by text_models.detokenize_response
+META_FINISHED = 1
+META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8}
+
+
+def build_ensemble_outputs(
+    msg: DetokenizeMsg,
+    next_tokens: list[int],
+    logprobs: list[float] | None,
+    context_tokens: list[int],
+    prompt_text: str,
+    detok_params: str,
+    cancel_key: str = "",
+    omit: frozenset[str] = frozenset(),
+) -> dict[str, np.ndarray]:
+    """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
+    response and nothing else (issue 13: each tensor costs the stub, the IPC and the detokenizer's
+    input reads). `meta` = [flags, num_input_tokens, num_output_tokens] replaces four scalar tensors;
+    strings and empty arrays that equal the detokenizer's defaults are left out (its inputs are
+    optional); `cancel_key` only when the caller says it is due (EngineLoop: first response, then
+    every cancel_check interval); spec_* and stop_reason are not ensemble outputs, so never sent."""
+    flags = META_FINISHED if msg.finished else 0
+    for name in omit:
+        flags |= META_OMIT.get(name, 0)
+    out = {
+        "next_tokens": np.asarray(next_tokens, dtype=np.int32),
+        "meta": np.array([flags, msg.num_prompt_tokens, msg.num_output_tokens], dtype=np.int32),
+    }
+    if context_tokens:
+        out["context_tokens"] = np.asarray(context_tokens, dtype=np.int32)
+    if msg.finished and "finish_reason" not in omit:
+        out["finish_reason"] = _bytes1(msg.finish_reason)
+    if logprobs:
+        out["logprobs"] = np.asarray(logprobs, dtype=np.float32)
+    if prompt_text:
+        out["prompt_text"] = _bytes1(prompt_text)
+    if detok_params:
+        out["detok_params"] = _bytes1(detok_params)
+    if cancel_key:
+        out["cancel_key"] = _bytes1(cancel_key)
+    return out
+
+
 def build_probe(cancel_key: str) -> dict[str, np.ndarray]:
     """An internal response of a non-streaming ensemble request, while it runs: the ensemble schedules
     the detokenizer for it, and Triton marks that new step cancelled if the client cancelled (it never

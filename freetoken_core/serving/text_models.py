@@ -14,6 +14,7 @@ import numpy as np
 
 from freetoken_core.serving.cancel import notify_cancel
 from freetoken_core.serving.chat import parse_chat_messages
+from freetoken_core.serving.response import META_FINISHED, META_OMIT
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
@@ -76,21 +77,46 @@ def forward_cancel(key: str) -> bool:
 
 
 def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """One engine response -> text_output delta, plus the engine outputs passed through."""
-    new = [int(t) for t in np.asarray(tensors["next_tokens"]).reshape(-1)]
-    ctx = [int(t) for t in np.asarray(tensors["context_tokens"]).reshape(-1)]
-    finished = bool(_scalar(tensors.get("finished")) or False)
-    stop, include, skip = parse_detok_params(_text(_scalar(tensors.get("detok_params")) or b""))
-    step = decode_step(tok, ctx, new, skip_special_tokens=skip, stop=stop,
+    """One engine response -> text_output delta, plus the engine outputs passed through.
+
+    Reads both response shapes: the slim ensemble one (`meta`, absent tensors = defaults;
+    response.build_ensemble_outputs) and the full one (response.build_outputs)."""
+    new = np.asarray(tensors["next_tokens"], dtype=np.int32).reshape(-1)
+    ctx = tensors.get("context_tokens")
+    ctx_ids = [] if ctx is None else np.asarray(ctx).reshape(-1).tolist()
+    meta = tensors.get("meta")
+    passthrough: dict[str, Any] = {"next_tokens_out": new}
+    if meta is not None:
+        flags, n_in, n_out = (int(v) for v in np.asarray(meta).reshape(-1)[:3])
+        finished = bool(flags & META_FINISHED)
+        if not flags & META_OMIT["finish_reason"]:
+            reason = tensors.get("finish_reason")
+            passthrough["finish_reason_out"] = (np.asarray(reason).reshape(1).astype(np.object_)
+                                                if reason is not None else _EMPTY_STRING)
+        if not flags & META_OMIT["num_input_tokens"]:
+            passthrough["num_input_tokens_out"] = np.array([n_in], dtype=np.uint32)
+        if not flags & META_OMIT["num_output_tokens"]:
+            passthrough["num_output_tokens_out"] = np.array([n_out], dtype=np.uint32)
+    else:
+        finished = bool(_scalar(tensors.get("finished")) or False)
+        # Outputs the engine left out (the client sent return_<name>=false) stay out: the ensemble then
+        # leaves them out of its response too (Triton 2.51 skips an ensemble output no step produced).
+        if "finish_reason" in tensors:
+            passthrough["finish_reason_out"] = np.asarray(tensors["finish_reason"]).reshape(1).astype(np.object_)
+        for name in ("num_input_tokens", "num_output_tokens"):
+            if name in tensors:
+                passthrough[f"{name}_out"] = np.asarray(tensors[name], dtype=np.uint32).reshape(1)
+    params = tensors.get("detok_params")
+    stop, include, skip = parse_detok_params(_text(_scalar(params) or b"")) if params is not None else _DEFAULT_DETOK
+    step = decode_step(tok, ctx_ids, new.tolist(), skip_special_tokens=skip, stop=stop,
                        include_stop_str_in_output=include, finished=finished)
-    text = _text(_scalar(tensors.get("prompt_text")) or b"") + step.text
-    passthrough: dict[str, Any] = {"next_tokens_out": np.asarray(new, dtype=np.int32)}
-    # Outputs the engine left out (the client sent return_<name>=false) stay out: the ensemble then
-    # leaves them out of its response too (Triton 2.51 skips an ensemble output no step produced).
-    if "finish_reason" in tensors:
-        passthrough["finish_reason_out"] = np.asarray(tensors["finish_reason"]).reshape(1).astype(np.object_)
-    for name in ("num_input_tokens", "num_output_tokens"):
-        if name in tensors:
-            passthrough[f"{name}_out"] = np.asarray(tensors[name], dtype=np.uint32).reshape(1)
-    passthrough["logprobs_out"] = np.asarray(tensors.get("logprobs", []), dtype=np.float32).reshape(-1)
+    prompt = tensors.get("prompt_text")
+    text = step.text if prompt is None else _text(_scalar(prompt) or b"") + step.text
+    logprobs = tensors.get("logprobs")
+    passthrough["logprobs_out"] = _EMPTY_FLOAT if logprobs is None else np.asarray(logprobs, dtype=np.float32).reshape(-1)
     return {"text_output": _bytes(text), **passthrough}
+
+
+_EMPTY_STRING = np.array([b""], dtype=np.object_)
+_EMPTY_FLOAT = np.zeros(0, dtype=np.float32)
+_DEFAULT_DETOK: tuple[list[str], bool, bool] = ([], False, True)

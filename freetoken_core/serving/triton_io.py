@@ -9,13 +9,12 @@ import numpy as np
 
 
 def input_arrays(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str, np.ndarray]:
-    """The request's inputs among `names` as numpy arrays (absent optional inputs are left out)."""
-    out = {}
-    for name in names:
-        t = pb_utils.get_input_tensor_by_name(request, name)
-        if t is not None:
-            out[name] = t.as_numpy()
-    return out
+    """The request's inputs among `names` as numpy arrays (absent optional inputs are left out).
+
+    One `request.inputs()` walk instead of a get_input_tensor_by_name per known name: the detokenizer
+    knows 13 names and a slim engine response brings 3 (benchmarks/serving_cost.py)."""
+    wanted = names if isinstance(names, (set, frozenset)) else frozenset(names)
+    return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in wanted}
 
 
 def model_tokenizer(args: Mapping[str, Any]) -> Any:

@@ -14,7 +14,7 @@ from freetoken_core.serving.text_models import cancel_key_of, detokenize_respons
 from freetoken_core.serving.triton_io import model_tokenizer, respond_each, send_each
 
 INPUTS = ("next_tokens", "context_tokens", "finished", "finish_reason", "stop_reason", "num_input_tokens",
-          "num_output_tokens", "logprobs", "prompt_text", "detok_params", "cancel_key", "probe")
+          "num_output_tokens", "logprobs", "prompt_text", "detok_params", "cancel_key", "probe", "meta")
 
 
 class TritonPythonModel:
