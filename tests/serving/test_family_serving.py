@@ -1,0 +1,64 @@
+"""Tiny random checkpoints of the MoE and hybrid families (Qwen3-MoE; Qwen3.5-MoE in its
+vision-language checkpoint form), with SmolLM2's tokenizer and vocabulary, through the served
+ensemble: the streamed text and tokens equal the offline engine's, byte for byte."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from freetoken_core import SamplingParams
+from tests.models.hybrid_checkpoints import make_tiny_hybrid
+from tests.models.moe_checkpoints import make_tiny_moe
+from tests.serving.conftest import SERVER_PARAMS
+from tests.serving.test_triton_server import Stream, ensemble_inputs
+
+pytest.importorskip("tritonclient.grpc")
+
+PROMPTS = ["Tell me about mixtures of experts.", "a b a b a b"]
+MAKERS = {
+    "qwen3_moe": lambda root: make_tiny_moe(root, "per_expert", vocab_size=49152, num_hidden_layers=2,
+                                            norm_topk_prob=True, bos_token_id=1, eos_token_id=2),
+    "qwen3_5_moe": lambda root: make_tiny_hybrid(root, "qwen3_5_moe", vocab_size=49152),
+}
+
+
+@pytest.fixture(scope="module", params=list(MAKERS))
+def family_model(request, smollm2_path, tmp_path_factory):
+    """Vocabulary 49152 so that SmolLM2's tokenizer (and chat template) serve it."""
+    path = MAKERS[request.param](tmp_path_factory.mktemp(request.param))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        try:
+            shutil.copy(f"{smollm2_path}/{name}", path / name)
+        except FileNotFoundError:
+            pass
+    from freetoken_core.serving.launcher import start_server
+
+    workdir = tmp_path_factory.mktemp(f"triton-{request.param}")
+    handle = start_server({**SERVER_PARAMS, "model_path": str(path)}, repo_dir=workdir / "repo",
+                          log_path=workdir / "tritonserver.log", ready_timeout=300)
+    yield path, handle
+    handle.stop()
+
+
+def test_ensemble_streams_the_offline_text(family_model):
+    from freetoken_core.llm import LLM
+
+    path, server = family_model
+    llm = LLM(str(path), dtype="float32", device="cpu", max_running_req=16, page_size=16, num_pages=512,
+              max_seq_len=1024)
+    refs = [llm.generate([p], SamplingParams(max_tokens=20, ignore_eos=True))[0] for p in PROMPTS]
+    s = Stream(server.grpc_url)
+    try:
+        for i, p in enumerate(PROMPTS):
+            s.client.async_stream_infer("ensemble", ensemble_inputs(p, 20, ignore_eos=True), request_id=f"r{i}",
+                                        enable_empty_final_response=True)
+        got = s.collect(len(PROMPTS))
+    finally:
+        s.close()
+    for i, ref in enumerate(refs):
+        g = got[f"r{i}"]
+        assert g["error"] is None
+        assert g["tokens"] == ref.token_ids
+        assert g["text"].decode() == ref.text
