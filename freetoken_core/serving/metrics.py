@@ -45,6 +45,10 @@ class TritonMetrics(EngineMetrics):
             family("freetoken_kv_cache_usage_ratio", "Fraction of KV cache pages in use", MF.GAUGE),
             family("freetoken_kv_cache_free_pages", "Free KV cache pages", MF.GAUGE),
             family("freetoken_kv_cache_total_pages", "Total KV cache pages", MF.GAUGE),
+            # offloaded MoE experts (moe_strategy offload / hybrid / cpu; absent otherwise)
+            family("freetoken_moe_slot_hit_ratio", "Routed experts found in a device slot", MF.GAUGE),
+            family("freetoken_moe_bytes_copied_per_token", "Expert bytes copied host to device per token", MF.GAUGE),
+            family("freetoken_moe_layer_misses", "Expert slot misses per MoE layer", MF.GAUGE),
         ]
         f = self._families
         self.ttft = f[0].Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -57,6 +61,9 @@ class TritonMetrics(EngineMetrics):
         self.kv_usage = f[7].Metric(labels=labels)
         self.kv_free = f[8].Metric(labels=labels)
         self.kv_total = f[9].Metric(labels=labels)
+        self._labels = labels
+        self._moe: tuple[Any, Any] | None = None  # made on the first MoE stats: dense models show none
+        self._moe_layers: list[Any] = []
         self._pending_prompt = 0
         self._pending_generated = 0
         self._last: tuple | None = None
@@ -84,6 +91,9 @@ class TritonMetrics(EngineMetrics):
         if self._pending_generated:
             self.generation_tokens.increment(self._pending_generated)
             self._pending_generated = 0
+        moe = stats.extra.get("moe") if stats.extra else None
+        if moe:
+            self._set_moe(moe)
         snap = (stats.num_running, stats.num_waiting, stats.num_free_pages, stats.num_total_pages)
         if snap == self._last:
             return
@@ -93,3 +103,15 @@ class TritonMetrics(EngineMetrics):
         self.kv_usage.set(stats.kv_usage)
         self.kv_free.set(stats.num_free_pages)
         self.kv_total.set(stats.num_total_pages)
+
+    def _set_moe(self, moe: dict) -> None:
+        f = self._families
+        if self._moe is None:
+            self._moe = (f[10].Metric(labels=self._labels), f[11].Metric(labels=self._labels))
+        self._moe[0].set(moe["slot_hit_rate"])
+        self._moe[1].set(moe["bytes_copied_per_token"])
+        misses = moe["misses_per_layer"]
+        while len(self._moe_layers) < len(misses):
+            self._moe_layers.append(f[12].Metric(labels={**self._labels, "layer": str(len(self._moe_layers))}))
+        for gauge, n in zip(self._moe_layers, misses):
+            gauge.set(n)

@@ -164,3 +164,16 @@ def test_hide_target_state_uses_the_drafts_pool_and_refuses_without_one(hybrid):
     req.free(r)
     set_context(None)
     assert isinstance(engine.ctx, Context)
+
+
+def test_bf16_linear_state_option(hybrid):
+    """linear_state_dtype=bfloat16 halves the pool; a one-chunk prefill computes in fp32 and only
+    stores the state rounded, so the first token is the fp32 one; later ones may drift."""
+    kind, path, expected = hybrid
+    llm = LLM(path, dtype="float32", page_size=16, max_running_req=4, num_pages=64, linear_state_dtype="bfloat16")
+    pool = llm.scheduler.engine.linear_pool
+    assert all(t.dtype == torch.bfloat16 for t in pool.recurrent)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids[0] for o in outs] == [e[0] for e in expected]
+    assert all(len(o.token_ids) == MAX_NEW for o in outs)
+    _all_free(llm)

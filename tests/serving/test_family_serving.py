@@ -17,11 +17,17 @@ from tests.serving.test_triton_server import Stream, ensemble_inputs
 pytest.importorskip("tritonclient.grpc")
 
 PROMPTS = ["Tell me about mixtures of experts.", "a b a b a b"]
+def _moe(root):
+    return make_tiny_moe(root, "per_expert", vocab_size=49152, num_hidden_layers=2, norm_topk_prob=True,
+                         bos_token_id=1, eos_token_id=2)
+
+
 MAKERS = {
-    "qwen3_moe": lambda root: make_tiny_moe(root, "per_expert", vocab_size=49152, num_hidden_layers=2,
-                                            norm_topk_prob=True, bos_token_id=1, eos_token_id=2),
+    "qwen3_moe": _moe,
     "qwen3_5_moe": lambda root: make_tiny_hybrid(root, "qwen3_5_moe", vocab_size=49152),
+    "qwen3_moe_offload": _moe,  # experts in host banks, 5 device slots of 8 per layer
 }
+EXTRA_PARAMS = {"qwen3_moe_offload": {"moe_strategy": "offload", "moe_cache_slots": "5"}}
 
 
 @pytest.fixture(scope="module", params=list(MAKERS))
@@ -36,16 +42,16 @@ def family_model(request, smollm2_path, tmp_path_factory):
     from freetoken_core.serving.launcher import start_server
 
     workdir = tmp_path_factory.mktemp(f"triton-{request.param}")
-    handle = start_server({**SERVER_PARAMS, "model_path": str(path)}, repo_dir=workdir / "repo",
-                          log_path=workdir / "tritonserver.log", ready_timeout=300)
-    yield path, handle
+    params = {**SERVER_PARAMS, "model_path": str(path), **EXTRA_PARAMS.get(request.param, {})}
+    handle = start_server(params, repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
+    yield path, handle, request.param
     handle.stop()
 
 
 def test_ensemble_streams_the_offline_text(family_model):
     from freetoken_core.llm import LLM
 
-    path, server = family_model
+    path, server, kind = family_model
     llm = LLM(str(path), dtype="float32", device="cpu", max_running_req=16, page_size=16, num_pages=512,
               max_seq_len=1024)
     refs = [llm.generate([p], SamplingParams(max_tokens=20, ignore_eos=True))[0] for p in PROMPTS]
@@ -62,3 +68,16 @@ def test_ensemble_streams_the_offline_text(family_model):
         assert g["error"] is None
         assert g["tokens"] == ref.token_ids
         assert g["text"].decode() == ref.text
+    if kind == "qwen3_moe_offload":  # the expert-slot gauges on /metrics
+        from tests.serving.serving_helpers import metric, scrape_metrics, wait_for
+
+        def gauges():
+            m = scrape_metrics(server.metrics_url)
+            try:
+                return metric(m, "freetoken_moe_slot_hit_ratio"), metric(m, "freetoken_moe_layer_misses", layer="1")
+            except KeyError:  # not pushed yet (the gauges go out on the metrics timer)
+                return 0.0, 0.0
+
+        wait_for(lambda: (gauges()[1] or 0) > 0, timeout=10)
+        hit, misses = gauges()
+        assert 0.0 < hit < 1.0 and misses > 0
