@@ -87,6 +87,8 @@ class Engine:
         # hybrid models: the GDN layers' per-request states first (a slot per page-table row, +1 dummy),
         # then the K/V pages take what is left of the budget
         self.linear_pool = self._linear_state_pool()
+        # found once: the verify replay runs every speculative step
+        self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
         self._graph_linear_steps: dict[tuple[int, int], LinearStateStep] = {}
         self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape)
@@ -221,10 +223,13 @@ class Engine:
             return
         n = st.slot_ids.shape[0]
         kept = to_device(list(kept_rows) + [0] * (n - len(kept_rows)), torch.int64, self.device)
-        for layer in self.model.modules():
-            if hasattr(layer, "replay_accepted"):
-                layer.replay_accepted(st, kept)
+        self.replay_linear_state(st, kept)
         self.last_verify_state = None
+
+    def replay_linear_state(self, step: LinearStateStep, kept: torch.Tensor) -> None:
+        """Advance every GDN layer's states by `kept` [B] rows of a verify step (host- or device-made counts)."""
+        for layer in self.gdn_layers:
+            layer.replay_accepted(step, kept)
 
     def _num_pages(self, shape: KVCacheShape) -> int:
         cfg = self.config

@@ -151,9 +151,7 @@ class DevicePipeline:
         if step is None:
             return
         kept = torch.where(self.active[:bs] != 0, out[:bs, 0] + 1, torch.zeros_like(out[:bs, 0]))
-        for layer in self.engine.model.modules():
-            if hasattr(layer, "replay_accepted"):
-                layer.replay_accepted(step, kept)
+        self.engine.replay_linear_state(step, kept)
 
     def _accept(self, bs: int, logits: torch.Tensor) -> torch.Tensor:
         """Greedy acceptance of slots [0, bs) from the verify rows' logits; appends the committed
