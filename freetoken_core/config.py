@@ -109,6 +109,10 @@ class EngineConfig:
     moe_cache_rate: float | None = None  # a share of all experts (FreeToken's option)
     moe_cpu_threads: int | None = None  # threads of the CPU expert executor (default: half the cores)
     tensor_parallel_size: int = 1  # ranks (one process each, rank 0 this one) sharding the model (distributed/)
+    # torch.distributed backend of the ranks: auto (NCCL on CUDA, one GPU per rank; gloo on CPU) | nccl |
+    # gloo (on CUDA too: ranks share the GPUs there are, collectives staged through host memory; for
+    # checking the sharded CUDA path on a one-GPU machine, not for speed)
+    tensor_parallel_backend: str = "auto"
 
     def validate(self) -> None:
         if self.speculative not in (None, "ngram"):
@@ -138,6 +142,8 @@ class EngineConfig:
             raise ValueError("set only one of moe_cache_slots, moe_cache_gb, moe_cache_rate")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_backend not in ("auto", "nccl", "gloo"):
+            raise ValueError(f"tensor_parallel_backend must be auto, nccl or gloo, got {self.tensor_parallel_backend!r}")
         if self.tensor_parallel_size > 1 and self.moe_strategy not in ("auto", "resident"):
             raise ValueError(f"moe_strategy {self.moe_strategy!r} does not run with tensor_parallel_size > 1; "
                              "use resident (experts sharded over the ranks)")

@@ -39,12 +39,25 @@ def set_tp_info(info: TPInfo) -> None:
     _TP = info
 
 
+def _host_staged(x: torch.Tensor) -> bool:
+    """gloo on CUDA tensors (tensor_parallel_backend='gloo', a one-GPU check): collectives go through
+    host copies, since gloo's CUDA support does not cover every collective."""
+    import torch.distributed as dist
+
+    return x.is_cuda and dist.get_backend(_TP.group) == "gloo"
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     tp = _TP
     if tp.world_size == 1:
         return x
     import torch.distributed as dist
 
+    if _host_staged(x):
+        host = x.cpu()
+        dist.all_reduce(host, group=tp.group)
+        x.copy_(host)
+        return x
     dist.all_reduce(x, group=tp.group)
     return x
 
@@ -56,6 +69,11 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     import torch.distributed as dist
 
+    if _host_staged(x):
+        host = x.contiguous().cpu()
+        parts = [torch.empty_like(host) for _ in range(tp.world_size)]
+        dist.all_gather(parts, host, group=tp.group)
+        return torch.cat(parts, dim=-1).to(x.device)
     parts = [torch.empty_like(x) for _ in range(tp.world_size)]
     dist.all_gather(parts, x.contiguous(), group=tp.group)
     return torch.cat(parts, dim=-1)

@@ -34,8 +34,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
+def backend_for(device: torch.device, choice: str = "auto") -> str:
+    """The torch.distributed backend: NCCL on CUDA unless gloo is asked for; gloo on CPU."""
+    if device.type != "cuda":
+        if choice == "nccl":
+            raise ValueError("tensor_parallel_backend 'nccl' needs CUDA; on CPU use gloo (or auto)")
+        return "gloo"
+    return "gloo" if choice == "gloo" else "nccl"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: GPU r (round robin over the GPUs there are, for gloo on fewer GPUs than ranks)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 class TensorParallelGroup:
@@ -44,6 +56,11 @@ class TensorParallelGroup:
 
         self.world_size = config.tensor_parallel_size
         self.device = device
+        self.backend = backend_for(device, config.tensor_parallel_backend)
+        if self.backend == "nccl" and torch.cuda.device_count() < self.world_size:
+            raise ValueError(f"tensor_parallel_size={self.world_size} over NCCL needs {self.world_size} GPUs; "
+                             f"{torch.cuda.device_count()} visible (tensor_parallel_backend='gloo' runs the ranks "
+                             "on fewer GPUs, for checks, not for speed)")
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         exe = sys.executable  # inside Triton's Python-backend stub this is the stub, not a Python
@@ -56,11 +73,11 @@ class TensorParallelGroup:
                       for rank in range(1, self.world_size)]
         for p in self.procs:
             p.start()
-        dist.init_process_group(backend_for(device), init_method=self.init_method, rank=0,
+        dist.init_process_group(self.backend, init_method=self.init_method, rank=0,
                                 world_size=self.world_size, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         set_tp_info(TPInfo(0, self.world_size, None))
         self.closed = False
-        log.info("tensor parallelism: %d ranks (%s), workers %s", self.world_size, backend_for(device),
+        log.info("tensor parallelism: %d ranks (%s), workers %s", self.world_size, self.backend,
                  [p.pid for p in self.procs])
 
     def check(self) -> None:

@@ -22,14 +22,14 @@ def worker_main(rank: int, world_size: int, init_method: str, config_dict: dict,
     from ..kvcache.manager import CacheManager
     from ..kvcache.pool import KVCache, KVCacheShape
     from ..models.loader import load_model
-    from .group import COLLECTIVE_TIMEOUT_S, backend_for
+    from .group import COLLECTIVE_TIMEOUT_S, backend_for, rank_device
 
-    device = torch.device(device_name)
+    device = rank_device(torch.device(device_name), rank)
     if device.type == "cuda":
-        device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     config = EngineConfig(**config_dict)
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend_for(device, config.tensor_parallel_backend), init_method=init_method, rank=rank,
+                            world_size=world_size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     set_tp_info(TPInfo(rank, world_size, None))
     box: list[Any] = [None]

@@ -74,3 +74,32 @@ def test_a_killed_worker_is_a_clear_error_not_a_hang(checkpoints):
         assert time.monotonic() - t0 < 30
     finally:
         engine.close()
+
+
+def test_backend_choice_is_checked():
+    from freetoken_core.config import EngineConfig
+    from freetoken_core.distributed.group import backend_for
+
+    with pytest.raises(ValueError, match="tensor_parallel_backend must be auto, nccl or gloo"):
+        EngineConfig(model_path="x", tensor_parallel_backend="mpi").validate()
+    assert backend_for(torch.device("cpu")) == "gloo"
+    with pytest.raises(ValueError, match="'nccl' needs CUDA"):
+        backend_for(torch.device("cpu"), "nccl")
+    assert backend_for(torch.device("cuda"), "auto") == "nccl"
+    assert backend_for(torch.device("cuda"), "gloo") == "gloo"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "qwen3moe"])
+def test_tp2_on_one_gpu_over_gloo_matches_transformers(checkpoints, name):
+    """The sharded CUDA path (sharded GEMVs and MoE kernels, vocab-parallel LM head) on a one-GPU
+    machine: both ranks on the GPU(s) there are, collectives through host memory (gloo)."""
+    path, expected = checkpoints[name]
+    llm = LLM(path, dtype="float32", device="cuda", page_size=4, num_pages=200, max_running_req=3,
+              tensor_parallel_size=2, tensor_parallel_backend="gloo", memory_fraction=0.1)
+    try:
+        assert llm.scheduler.engine.tp.backend == "gloo"
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    finally:
+        llm.scheduler.engine.close()
