@@ -36,7 +36,8 @@ def _pytriton_root() -> Path:
             "tritonserver not found: install the serve extra (`pip install -e .[serve]`, which brings "
             "nvidia-pytriton and its tritonserver binary) or put `tritonserver` on PATH"
         ) from e
-    return Path(pytriton.__file__).parent / "tritonserver"
+    # a namespace package (the wheel's tritonserver tree unpacked without its Python API) has no __file__
+    return Path(pytriton.__file__).parent / "tritonserver" if pytriton.__file__ else Path(list(pytriton.__path__)[0]) / "tritonserver"
 
 
 def find_tritonserver() -> TritonInstall:
