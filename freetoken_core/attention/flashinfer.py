@@ -16,7 +16,7 @@ indices / last-page-length buffers; `plan` runs on the host before the capture a
 replay and copies the step's CSR into those buffers, so the captured kernels read the new lengths.
 Padding rows of a graph batch attend one key on the dummy page. Verify steps (rows_per_req > 1)
 and prefill run eagerly through the prefill wrapper. flashinfer is on neither CI nor the GPU
-image: tests/attention/test_flashinfer_gpu.py runs where it is installed (see its docstring).
+image: tests/attention/test_optional_backends_gpu.py runs where it is installed (see its docstring).
 """
 
 from __future__ import annotations

@@ -27,15 +27,32 @@ def test_fa_without_flash_attn_says_how_to_install_it():
         _backend("fa")
 
 
-def test_fa_with_only_flash_attn_4_is_refused_by_name(monkeypatch):
+def _fake_flash_attn_4(monkeypatch, cute: types.ModuleType | None) -> None:
     fake = types.ModuleType("flash_attn")  # what flash-attn-4 installs: flash_attn.cute, no 2.x API
     fake.__version__ = "4.0.0b36"
-    fake.cute = types.ModuleType("flash_attn.cute")
+    fake.__path__ = []  # a package
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    with pytest.raises(ImportError, match=r"\(4\.0\.0b36\) has no flash_attn_with_kvcache, flash_attn_varlen_func "
-                                          r"\(flash-attn-4, the CuTe-DSL build, is not supported\)") as e:
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)  # None: importing it fails
+
+
+def test_fa_with_a_broken_flash_attn_4_is_refused_with_the_cause(monkeypatch):
+    _fake_flash_attn_4(monkeypatch, None)  # e.g. its CuTe DSL (nvidia-cutlass-dsl) is missing
+    with pytest.raises(ImportError, match=r"\(4\.0\.0b36\) has neither \((ModuleNotFoundError|ImportError): .*flash_attn\.cute") as e:
         _backend("fa")
     assert "pip install flash-attn --no-build-isolation" in str(e.value)
+    assert "pip install flash-attn-4" in str(e.value)
+
+
+def test_fa_takes_flash_attn_4_when_2_is_absent(monkeypatch):
+    from freetoken_core.attention.fa import import_flash_attn
+
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = lambda *a, **k: None
+    _fake_flash_attn_4(monkeypatch, cute)
+    api = import_flash_attn()
+    assert api.version == 4 and api.varlen is cute.flash_attn_varlen_func and api.with_kvcache is None
+    with pytest.raises(ValueError, match="runs on CUDA only"):  # this box: the API is found, the device is not
+        _backend("fa")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed")
