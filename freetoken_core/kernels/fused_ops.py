@@ -5,7 +5,8 @@ batch 1 inside a CUDA graph a decode step is bound by those hundreds of tiny lau
 weight reads. Each op here is one launch:
 
 - `rmsnorm(x, w, eps)` and `fused_add_rmsnorm(x, residual, w, eps) -> (normed, x + residual)`:
-  one program per row.
+  one program per row; `zero_centered=True` is the Qwen3-Next / Qwen3.5 norm (the checkpoint
+  stores w - 1, the product is taken in fp32 and rounded once: `(rmsnorm(x) * (1 + w)).to(dtype)`).
 - `silu_and_mul(x [T, 2I]) -> [T, I]`.
 - `rotary(positions, q, k, cos_sin_cache, rot_dim)`: neox (rotate-half) rotary of q and k in
   one launch, partial rotary (rot_dim < head_dim) included.
@@ -26,6 +27,7 @@ import triton.language as tl
 from ..env import kernel_env
 from .fused_ops_ref import (  # noqa: F401  (the references, beside their kernels)
     apply_rotary, fused_add_rmsnorm_reference, rmsnorm_reference, rotary_reference, silu_and_mul_reference,
+    zero_centered_rms_norm_torch,
 )
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
@@ -55,7 +57,8 @@ _COMPILE = dict(enable_fp_fusion=False)
 def _rmsnorm_kernel(
     X, R, W, Out, ResOut,
     inner, stride_x0, stride_x1, stride_r0, stride_r1, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
@@ -72,9 +75,12 @@ def _rmsnorm_kernel(
         tl.store(ResOut + row * N + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-    normed = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)  # LlamaRMSNorm: round, then * weight
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * N + offs, (normed * w).to(Out.dtype.element_ty), mask=mask)
+    if ZERO_CENTERED:  # Qwen3NextRMSNorm: (x * rstd * (1 + w)) in fp32, rounded once
+        y = (xf * rstd) * (1.0 + w)
+    else:  # LlamaRMSNorm: round, then * weight
+        y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+    tl.store(Out + row * N + offs, y.to(Out.dtype.element_ty), mask=mask)
 
 
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -91,7 +97,7 @@ def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def _launch_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    eps: float, zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out) if residual is not None else None
@@ -109,25 +115,25 @@ def _launch_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     _rmsnorm_kernel[(rows,)](
         xv, rv, weight, out, res_out if res_out is not None else out,
         inner, sx0, sx1, sr0, sr1, float(eps),
-        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=_num_warps(block), **_COMPILE,
+        N=n, BLOCK=block, HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered,
+        num_warps=_num_warps(block), **_COMPILE,
         **pdl_launch(x),
     )
     return out, res_out
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N] -> RMSNorm(x) * weight, a new contiguous tensor of x's shape and dtype."""
-    return _launch_rmsnorm(x, None, weight, eps)[0]
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """x [..., N] -> RMSNorm(x) * weight (zero_centered: * (1 + weight)), a new contiguous tensor of x's
+    shape and dtype."""
+    return _launch_rmsnorm(x, None, weight, eps, zero_centered)[0]
 
 
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      eps: float, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual) * weight, x + residual), both new tensors; one read of x and residual."""
-    out, res_out = _launch_rmsnorm(x, residual, weight, eps)
+    out, res_out = _launch_rmsnorm(x, residual, weight, eps, zero_centered)
     assert res_out is not None
     return out, res_out
-
-
 
 
 
@@ -171,6 +177,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _cos_sin_row(CosSin, Pos, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's cos and sin as [1, BLOCK_HALF] fp32 rows (cache row = [cos (rot_dim / 2) | sin (rot_dim / 2)]
+    in the model dtype)."""
+    pos = tl.load(Pos + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dm = d < HALF
+    cos = tl.load(CosSin + pos * stride_cs + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(CosSin + pos * stride_cs + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     X, Out, cos, sin, t, h0, num_heads, stride_xt, stride_xh,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -208,12 +226,7 @@ def _rotary_kernel(
         pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    pos = tl.load(Pos + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    dm = d < HALF
-    # cache row = [cos (rot_dim / 2) | sin (rot_dim / 2)] in the model dtype
-    cos = tl.load(CosSin + pos * stride_cs + d, mask=dm, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(CosSin + pos * stride_cs + HALF + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+    cos, sin = _cos_sin_row(CosSin, Pos, t, stride_cs, HALF, BLOCK_HALF)
     if hb < num_q_blocks:
         _rotate_heads(Q, QOut, cos, sin, t, hb * BLOCK_H, num_q_heads, stride_qt, stride_qh,
                       D, HALF, BLOCK_H, BLOCK_HALF, BLOCK_PASS)

@@ -1,4 +1,4 @@
-"""Plain-torch references of `fused_ops.py` (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary).
+"""Plain-torch references of `fused_ops.py` (RMSNorm and its zero-centred form, add + RMSNorm, SiLU-and-mul, rotary).
 
 They are also the CPU path of the layers (`layers/norm.py`, `activation.py`, `rotary.py`), so
 they import nothing but torch: CPU users never load Triton. Each computes in the model dtype with
@@ -20,6 +20,14 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * xf.to(x.dtype)
 
 
+def zero_centered_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3NextRMSNorm (Qwen3-Next / Qwen3.5): the checkpoint stores w - 1; normed and scaled by
+    (1 + w) in fp32, rounded once."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+    return out.to(x.dtype)
+
+
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] laid out [gate | up] -> silu(gate) * up (the model dtype rounds silu(gate), then
     the product)."""
@@ -37,14 +45,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim:
     return out
 
 
-def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return rms_norm_torch(x, weight, eps)
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    return (zero_centered_rms_norm_torch if zero_centered else rms_norm_torch)(x, weight, eps)
 
 
 def fused_add_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                eps: float, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     s = x + residual
-    return rms_norm_torch(s, weight, eps), s
+    return rmsnorm_reference(s, weight, eps, zero_centered), s
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

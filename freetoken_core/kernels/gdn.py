@@ -14,6 +14,11 @@ these kernels index the pools through `slot_ids` (device ints) themselves:
   (decode: R = 1; after verify: a replay of the same inputs with num_rows = accepted counts). The
   replay costs one more pass over the state and needs no per-row state copies, which at batch 64
   with k = 4 would be ~20 GiB for Qwen3.6 (61 MiB of state per request).
+- The layer's glue rides in the recurrence: with `gating=(A_log, dt_bias)` the kernel reads the raw
+  a, b of in_proj_ba and computes beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias) itself;
+  with `out_norm=(w, z, eps)` it returns the gated output norm `w * rmsnorm(o) * silu(z)` per head,
+  in its epilogue when one program holds a whole head (BV >= dv), else as one `gated_rmsnorm` launch.
+  A batch-1 GDN layer is then conv + recurrence (+ norm) instead of ~25 torch launches.
 - `gdn_varlen` / `causal_conv1d_varlen`: prefill of concatenated sequences (cu_seqlens), with an
   `initial_zero` flag per request for a first chunk (slots are never cleared). The recurrence here
   is the plain token loop per (sequence, head, dv block): correct, not fast. On CUDA the model layer
@@ -21,7 +26,8 @@ these kernels index the pools through `slot_ids` (device ints) themselves:
 
 Every kernel computes in fp32 and rounds once at the store, like `gdn_ref.py` (the plain-torch
 references and the CPU path). No host syncs; shapes come from the inputs only; per-request lengths
-and counts are device tensors: all four are safe inside CUDA graph capture.
+and counts are device tensors: all are safe inside CUDA graph capture. The decode-path kernels launch
+with programmatic dependent launch where the device has it (kernels/pdl.py).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ import triton
 import triton.language as tl
 
 from .gdn_ref import (  # noqa: F401  (the references, beside their kernels)
-    causal_conv1d_varlen_ref, chunk_gated_delta_rule_ref, conv1d_update_ref, gdn_recurrent_update_ref,
-    gdn_varlen_ref, l2norm, recurrent_gated_delta_rule_ref,
+    causal_conv1d_varlen_ref, chunk_gated_delta_rule_ref, conv1d_update_ref, gated_rmsnorm_ref, gdn_gating_ref,
+    gdn_recurrent_update_ref, gdn_varlen_ref, l2norm, recurrent_gated_delta_rule_ref,
 )
+from .pdl import pdl_launch
+from .pdl_jit import pdl_wait_then_release
 
 
 @functools.cache
@@ -51,18 +59,30 @@ def fla_available() -> bool:
     return True
 
 
-def _gdn_config(requests: int, num_v_heads: int, dv: int, varlen: bool) -> tuple[int, int]:
-    """(BV, num_warps) of the recurrence. Each program keeps a [dk, BV] fp32 block of the state in
-    registers. Measured on the H200 (Hv = 32, dk = dv = 128, bf16 inputs, fp32 state, CUDA graphs),
-    BV = 8 / 16 / 32 with one warp: decode at batch 64 222 / 126 / 84 us (84 us moves the 268 MB of
-    state read + written at 3.2 TB/s), batch 8 12.8 / 8.8 / 8.1 us, batch 1 3.8 / 2.9 / 3.5 us;
-    prefill of one 8192-token sequence 10.4 / 12.0 / 18.1 ms (a serial token loop, where more
-    programs win)."""
+# Tiles of the decode / verify recurrence: rows (max B * Hv, BV, num_warps, num_stages); a launch of B
+# requests takes the first row whose bound covers B * Hv (the programs before the dv split). BV is
+# capped at dv; BV >= dv (one program per head) runs the gated output norm in the kernel's epilogue,
+# smaller tiles pay a separate norm launch. Each program keeps a [dk, BV] fp32 block of the state in
+# registers. Measured on the H200 (Hv = 32, dk = dv = 128, bf16 inputs, fp32 state, CUDA graphs),
+# BV = 8 / 16 / 32 with one warp: decode at batch 64 222 / 126 / 84 us (84 us moves the 268 MB of
+# state read + written at 3.2 TB/s), batch 8 12.8 / 8.8 / 8.1 us, batch 1 3.8 / 2.9 / 3.5 us.
+# `python benchmarks/bench_gdn.py` sweeps these tiles and prints rows to paste here.
+GDN_UPDATE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
+    (255, 16, 1, 3),  # up to batch 7 of Qwen3.6
+    (1 << 62, 32, 1, 3),
+)
+# Prefill's token loop: more programs win (one 8192-token sequence: BV = 8 / 16 / 32 10.4 / 12.0 / 18.1 ms)
+GDN_VARLEN_CONFIG: tuple[int, int, int] = (8, 1, 3)
+
+
+def _gdn_config(requests: int, num_v_heads: int, dv: int, varlen: bool) -> tuple[int, int, int]:
+    """(BV, num_warps, num_stages) of the recurrence (GDN_UPDATE_CONFIGS, GDN_VARLEN_CONFIG)."""
     if varlen:
-        return min(triton.next_power_of_2(dv), 8), 1
-    if requests * num_v_heads >= 256:
-        return min(triton.next_power_of_2(dv), 32), 1
-    return min(triton.next_power_of_2(dv), 16), 1
+        bv, warps, stages = GDN_VARLEN_CONFIG
+    else:
+        row = next((c for c in GDN_UPDATE_CONFIGS if requests * num_v_heads <= c[0]), GDN_UPDATE_CONFIGS[-1])
+        bv, warps, stages = row[1:]
+    return min(triton.next_power_of_2(dv), bv), warps, stages
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -107,16 +127,60 @@ def _delta_step(S, b_q, b_k, b_v, b_g, b_beta):
 
 
 @triton.jit
+def _softplus(x):
+    # torch's F.softplus (beta 1, threshold 20): x past 20, else log1p(exp(x)), log1p written as
+    # log(u) * y / (u - 1) with u = 1 + y (exact to an ulp also where 1 + y rounds away most of y)
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    lp = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return tl.where(x > 20.0, x, lp)
+
+
+@triton.jit
+def _gates(g_ptr, beta_ptr, A_log, dt_bias, i_h, BETA_DT: tl.constexpr, RAW_GATES: tl.constexpr):
+    # RAW_GATES: g_ptr / beta_ptr point at a and b of in_proj_ba, and the gates are transformers'
+    # beta = b.sigmoid() (rounded to b's dtype) and g = -exp(A_log) * softplus(a + dt_bias) in fp32
+    if RAW_GATES:
+        b_a = tl.load(g_ptr).to(tl.float32)
+        b_b = tl.load(beta_ptr).to(tl.float32)
+        a_log = tl.load(A_log + i_h).to(tl.float32)
+        dt = tl.load(dt_bias + i_h).to(tl.float32)
+        b_g = -tl.exp(a_log) * _softplus(b_a + dt)
+        b_beta = (1.0 / (1.0 + tl.exp(-b_b))).to(BETA_DT).to(tl.float32)
+    else:
+        b_g = tl.load(g_ptr).to(tl.float32)
+        b_beta = tl.load(beta_ptr).to(tl.float32)
+    return b_g, b_beta
+
+
+@triton.jit
+def _gated_norm(x, z_ptr, w_ptr, offs, mask, eps, D: tl.constexpr, DT: tl.constexpr):
+    # transformers' Qwen3NextRMSNormGated on one head, x fp32 holding values of the model dtype DT:
+    # normed in fp32 and rounded, times w in DT, times silu(z) in fp32, rounded once more (the caller)
+    x = tl.where(mask, x, 0.0)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (w * (x * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return h * (z / (1.0 + tl.exp(-z)))
+
+
+@triton.jit
 def _gdn_rows_kernel(
-    q, k, v, g, beta, o, state, slot_ids, num_rows, cu_seqlens, initial_zero,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_s0, s_s1, s_s2, scale,
+    q, k, v, g, beta, A_log, dt_bias, o, z, norm_w, state, slot_ids, num_rows, cu_seqlens, initial_zero,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_zt, s_zh, s_s0, s_s1, s_s2,
+    scale, eps,
     R: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, HAS_INITIAL_ZERO: tl.constexpr, USE_L2NORM: tl.constexpr, WRITE_STATE: tl.constexpr,
+    RAW_GATES: tl.constexpr, OUT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (request i, value head h, dv block): rows bos..eos-1 of request i in order.
     # VARLEN (prefill): rows from cu_seqlens, the final state stored after the loop.
     # else (decode / verify): rows i*R .. i*R+R-1; with WRITE_STATE the state after row num_rows[i]-1
     # is stored when the loop passes it (a masked store, so rows past num_rows never write).
+    # OUT_NORM (BV >= DV: the program holds a whole head): o = gated_norm(o, z) before the store.
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
+        pdl_wait_then_release()
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // REP  # repeat_interleave: REP consecutive value heads share a key head
     slot = tl.load(slot_ids + i_b).to(tl.int64)
@@ -142,9 +206,12 @@ def _gdn_rows_kernel(
         b_q, b_k = _load_qk(q + t * s_qt + i_hk * s_qh, k + t * s_kt + i_hk * s_kh, offs_k, mask_k, scale,
                             USE_L2NORM)
         b_v = tl.load(v + t * s_vt + i_h * s_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        b_g = tl.load(g + t * s_gt + i_h * s_gh).to(tl.float32)
-        b_beta = tl.load(beta + t * s_bt + i_h * s_bh).to(tl.float32)
+        b_g, b_beta = _gates(g + t * s_gt + i_h * s_gh, beta + t * s_bt + i_h * s_bh, A_log, dt_bias, i_h,
+                             beta.dtype.element_ty, RAW_GATES)
         b_o, S = _delta_step(S, b_q, b_k, b_v, b_g, b_beta)
+        if OUT_NORM:  # o rounds to the model dtype first, as the unfused path stores it
+            b_o = _gated_norm(b_o.to(o.dtype.element_ty).to(tl.float32), z + t * s_zt + i_h * s_zh, norm_w,
+                              offs_v, mask_v, eps, DV, o.dtype.element_ty)
         tl.store(o + t * s_ot + i_h * s_oh + offs_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         if not VARLEN:
             if WRITE_STATE:
@@ -153,8 +220,54 @@ def _gdn_rows_kernel(
         tl.store(p_s, S.to(state.dtype.element_ty), mask=mask_s)
 
 
+@triton.jit
+def _gated_rmsnorm_kernel(
+    X, Z, W, Out, num_heads, s_xt, s_xh, s_zt, s_zh, eps,
+    D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program (row t, block of BH heads): Out[t, h] = gated_norm(X[t, h], Z[t, h]), Out contiguous
+    if USE_PDL:
+        pdl_wait_then_release()
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    offs = tl.arange(0, BD)
+    mask = (heads < num_heads)[:, None] & (offs < D)[None, :]
+    x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.where(mask, x, 0.0)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    DT = Out.dtype.element_ty
+    w = tl.load(W + offs, mask=offs < D, other=0.0).to(tl.float32)
+    h = (w[None, :] * (x * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    zz = tl.load(Z + t * s_zt + heads[:, None] * s_zh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + (t * num_heads + heads[:, None]) * D + offs[None, :], (h * (zz / (1.0 + tl.exp(-zz)))).to(DT),
+             mask=mask)
+
+
+def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head `w * rmsnorm(x) * silu(z)` (see `gated_rmsnorm_ref`) in one launch: x, z [T, H, D]
+    (strided views with a unit last stride are fine; [N, D] is taken as [N, 1, D]), weight [D].
+    Returns a contiguous tensor of x's shape."""
+    if x.dim() == 2:
+        return gated_rmsnorm(x[:, None], z[:, None], weight, eps).view(x.shape)
+    T, H, D = x.shape
+    assert z.shape == x.shape and weight.shape == (D,), \
+        f"x {tuple(x.shape)}, z {tuple(z.shape)}, w {tuple(weight.shape)}"
+    assert weight.dtype == x.dtype, "the norm rounds w * rmsnorm(x) to x's dtype: w must have it too"
+    x, z = _last_dim_contiguous(x), _last_dim_contiguous(z)
+    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    bd = triton.next_power_of_2(D)
+    bh = max(1, min(triton.next_power_of_2(H), 2048 // bd))  # ~2k elements per program
+    _gated_rmsnorm_kernel[(T, triton.cdiv(H, bh))](
+        x, z, weight, out, H, x.stride(0), x.stride(1), z.stride(0), z.stride(1), float(eps),
+        D=D, BD=bd, BH=bh, num_warps=max(1, min(bh * bd // 256, 8)), **pdl_launch(x),
+    )
+    return out
+
+
 def _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, cu_seqlens, initial_zero, rows_per_req,
-                write_state, use_qk_l2norm, block_v, num_warps):
+                write_state, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages):
     Hk, dk = q.shape[-2:]
     Hv, dv = v.shape[-2:]
     assert k.shape == q.shape and Hv % Hk == 0, f"q/k {tuple(q.shape)} vs v {tuple(v.shape)}"
@@ -164,52 +277,75 @@ def _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, cu_seqlens, in
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     B = slot_ids.shape[0]
     varlen = cu_seqlens is not None
-    BV, warps = _gdn_config(B, Hv, dv, varlen)
-    BV, warps = block_v or BV, num_warps or warps
+    BV, warps, stages = _gdn_config(B, Hv, dv, varlen)
+    BV, warps, stages = block_v or BV, num_warps or warps, num_stages or stages
     grid = (B, Hv, triton.cdiv(dv, BV))
     if B == 0 or v.shape[0] == 0 and not varlen:
         return o
+    if gating is not None:
+        A_log, dt_bias = gating
+        assert A_log.shape == (Hv,) and dt_bias.shape == (Hv,), f"A_log / dt_bias need [{Hv}]"
+    else:
+        A_log = dt_bias = g
+    fused_norm = out_norm is not None and grid[2] == 1
+    if out_norm is not None:
+        norm_w, z, eps = out_norm
+        assert z.shape == v.shape and z.stride(-1) == 1 and norm_w.shape == (dv,), \
+            f"out_norm: z {tuple(z.shape)} (unit last stride) and weight [{dv}] for v {tuple(v.shape)}"
+        assert norm_w.dtype == v.dtype, "the gated norm rounds w * rmsnorm(o) to o's dtype: w must have it too"
+    else:
+        norm_w, z, eps = v, v, 0.0
     _gdn_rows_kernel[grid](
-        q, k, v, g, beta, o, state_pool, slot_ids,
+        q, k, v, g, beta, A_log, dt_bias, o, z, norm_w, state_pool, slot_ids,
         num_rows if num_rows is not None else slot_ids, cu_seqlens if varlen else slot_ids,
         initial_zero if initial_zero is not None else slot_ids,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5,
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), z.stride(0), z.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5, float(eps),
         R=rows_per_req, REP=Hv // Hk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BV,
         VARLEN=varlen, HAS_INITIAL_ZERO=initial_zero is not None, USE_L2NORM=use_qk_l2norm,
-        WRITE_STATE=write_state, num_warps=warps, num_stages=3,
+        WRITE_STATE=write_state, RAW_GATES=gating is not None, OUT_NORM=fused_norm,
+        num_warps=warps, num_stages=stages, **pdl_launch(v),
     )
+    if out_norm is not None and not fused_norm:
+        o = gated_rmsnorm(o, z, norm_w, eps)
     return o
 
 
 def gdn_recurrent_update(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slot_ids: torch.Tensor, num_rows: torch.Tensor, rows_per_req: int,
-    write_state: bool = True, use_qk_l2norm: bool = True, block_v: int | None = None,
-    num_warps: int | None = None,
+    write_state: bool = True, use_qk_l2norm: bool = True,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode / verify recurrence (see `gdn_recurrent_update_ref`): q, k [B*R, Hk, dk];
     v [B*R, Hv, dv]; g, beta [B*R, Hv]; state_pool [slots, Hv, dk, dv]; slot_ids, num_rows [B]
-    (device ints). Returns o [B*R, Hv, dv] in v's dtype; writes the pool only when write_state."""
+    (device ints). Returns o [B*R, Hv, dv] in v's dtype; writes the pool only when write_state.
+    gating = (A_log, dt_bias): g and beta are the raw a and b of in_proj_ba, gated in the kernel.
+    out_norm = (weight, z, eps): returns gated_rmsnorm(o, z) instead of o (in the kernel's epilogue
+    when its tile covers dv, else one more launch)."""
     B = slot_ids.shape[0]
     assert v.shape[0] == B * rows_per_req, f"{v.shape[0]} rows for {B} requests x {rows_per_req}"
     return _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, None, None, rows_per_req,
-                       write_state, use_qk_l2norm, block_v, num_warps)
+                       write_state, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages)
 
 
 def gdn_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
-    initial_zero: torch.Tensor | None = None, use_qk_l2norm: bool = True, block_v: int | None = None,
-    num_warps: int | None = None,
+    initial_zero: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Prefill recurrence over concatenated sequences (see `gdn_varlen_ref`): reads each request's
     state from state_pool[slot_ids[i]] (zeros where initial_zero[i]), writes its final state back.
-    A token loop per program: on CUDA, fla's chunked kernel is the fast path when installed."""
+    gating / out_norm as in `gdn_recurrent_update`. A token loop per program: correct, not fast."""
     assert cu_seqlens.shape[0] == slot_ids.shape[0] + 1, "cu_seqlens needs B + 1 entries"
     return _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, None, cu_seqlens, initial_zero, 1,
-                       True, use_qk_l2norm, block_v, num_warps)
+                       True, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages)
 
 
 # ------------------------------------------------------------------------------------ conv1d
@@ -257,10 +393,12 @@ def _conv_write_state(x, state, slot, first_row, n, use_state, offs_c, mask_c, s
 def _conv_update_kernel(
     x, w, b, y, state, slot_ids, num_rows, C, s_xt, s_yt, s_w0, s_s0, s_s1, s_s2,
     R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE_STATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE_STATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Program (request i, channel block): rows i*R .. i*R+R-1 against xx = [state | rows];
     # row r's output is b + sum_j w_j xx[r + j].
+    if USE_PDL:  # freetoken_core/kernels/pdl.py
+        pdl_wait_then_release()
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ids + i_b).to(tl.int64)
     first_row = i_b.to(tl.int64) * R
@@ -363,6 +501,7 @@ def conv1d_update(
         x.stride(0), y.stride(0), weight.stride(0), *conv_state_pool.stride(),
         R=rows_per_req, K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=_CONV_BC,
         HAS_BIAS=bias is not None, SILU=_check_activation(activation), WRITE_STATE=write_state, num_warps=1,
+        **pdl_launch(x),
     )
     return y
 

@@ -19,6 +19,10 @@ after the request's first `num_rows[i]` rows. Verify runs once with write_state=
 rows, then replays the same inputs with num_rows = accepted count and write_state=True: no per-row
 state copies (a Qwen3.6 state is ~61 MiB per request). The update references are vectorised over
 requests and never sync with the host; the varlen (prefill) references loop over requests on the host.
+
+The layer's glue has references here too, as the kernels fuse it: `gdn_gating_ref` (beta, g from
+in_proj_ba's raw a, b) and `gated_rmsnorm_ref` (the per-head output norm); the recurrence references
+take them as `gating=` / `out_norm=` like the kernels do.
 """
 
 from __future__ import annotations
@@ -41,6 +45,30 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2nor
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     return q * q.shape[-1] ** -0.5, k
+
+
+def gdn_gating_ref(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                   dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' gates from in_proj_ba's a, b [..., Hv]: (g fp32, beta in b's dtype), with
+    g = -exp(A_log) * softplus(a + dt_bias) in fp32 and beta = sigmoid(b)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.sigmoid()
+
+
+def gated_rmsnorm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3NextRMSNormGated over the last dim: `w * rmsnorm(x) * silu(z)`, normed in fp32
+    and rounded (Llama style), times w in the model dtype, times silu(z) in fp32, rounded."""
+    xf = x.float()
+    h = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (h * F.silu(z.float())).to(x.dtype)
+
+
+def _gates(g, beta, gating):
+    """(g, beta) as given, or from raw (a, b) when gating = (A_log, dt_bias)."""
+    return (g, beta) if gating is None else gdn_gating_ref(g, beta, *gating)
+
+
+def _out(o: torch.Tensor, out_norm) -> torch.Tensor:
+    return o if out_norm is None else gated_rmsnorm_ref(o, out_norm[1], out_norm[0], out_norm[2])
 
 
 def _zero_state(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -131,12 +159,15 @@ def gdn_varlen_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor,
     initial_zero: torch.Tensor | None = None, use_qk_l2norm: bool = True, chunk_size: int | None = 64,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Prefill of B sequences concatenated along T (request i owns rows cu_seqlens[i]:cu_seqlens[i+1]).
     Each starts from state_pool[slot_ids[i]] (zeros where initial_zero[i]: a first prefill chunk, so
     slots need no clearing) and its final state is written back there in place (a request of zero
     rows keeps its state, or gets zeros if initial_zero). chunk_size=None runs the token loop.
-    Returns o [T, Hv, dv] in v's dtype."""
+    gating / out_norm as in `gdn_recurrent_update_ref`. Returns o [T, Hv, dv] in v's dtype."""
+    g, beta = _gates(g, beta, gating)
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     bounds = cu_seqlens.tolist()
     slots = slot_ids.tolist()
@@ -152,7 +183,7 @@ def gdn_varlen_ref(
                                               chunk_size=chunk_size)
         out[s:e] = o
         state_pool[slot] = S.to(state_pool.dtype)
-    return out
+    return _out(out, out_norm)
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -227,11 +258,16 @@ def gdn_recurrent_update_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state_pool: torch.Tensor, slot_ids: torch.Tensor, num_rows: torch.Tensor, rows_per_req: int,
     write_state: bool = True, use_qk_l2norm: bool = True,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Decode / verify recurrence: q, k [B*R, Hk, dk]; v [B*R, Hv, dv]; g, beta [B*R, Hv], rows
     request-major. Row r of request i sees the state after rows 0..r-1 of that request. With
     write_state, slot i ends holding the state after its first num_rows[i] rows (0: unchanged);
-    without it the pool is untouched. Returns o [B*R, Hv, dv] in v's dtype."""
+    without it the pool is untouched. Returns o [B*R, Hv, dv] in v's dtype.
+    gating = (A_log, dt_bias): g and beta are in_proj_ba's raw a and b (`gdn_gating_ref`).
+    out_norm = (weight, z [B*R, Hv, dv], eps): returns `gated_rmsnorm_ref(o, z, weight, eps)`."""
+    g, beta = _gates(g, beta, gating)
     R, B = rows_per_req, slot_ids.shape[0]
     Hv, dv = v.shape[-2:]
     qf, kf = _prepare_qk(q, k, Hv, use_qk_l2norm)
@@ -246,4 +282,4 @@ def gdn_recurrent_update_ref(
         kept = torch.where(r < n, S, kept)  # the state after row r counts while r < num_rows
     if write_state:
         state_pool[slot_ids] = kept.to(state_pool.dtype)
-    return out.view(B * R, Hv, dv).to(v.dtype)
+    return _out(out.view(B * R, Hv, dv).to(v.dtype), out_norm)

@@ -105,7 +105,8 @@ def _rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 
 @triton.jit
 def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
-                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+                    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ZERO_CENTERED: tl.constexpr):
     offs_k = k0 + tl.arange(0, BLOCK_K)
     k_ok = offs_k < K
     x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
@@ -117,7 +118,10 @@ def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid,
     xg = x.to(tl.float32)
     if NORM:
         ss += xg * xg
-        xg = xg * tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:  # Qwen3-Next / Qwen3.5 norms: the checkpoint stores w - 1
+            g = 1.0 + g
+        xg = xg * g
     acc += w.to(tl.float32) * xg[None, :]
     if GATED:
         acc_up += wu.to(tl.float32) * xg[None, :]
@@ -127,7 +131,8 @@ def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid,
 @triton.jit
 def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, stride_wn, up_offset, eps,
                       NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                      ZERO_CENTERED: tl.constexpr = False):
     # y = W (RMSNorm(x + r) * g) in one pass: every program reads the whole (small, L2-resident) input
     # row anyway, so it also sums its squares and scales its dot products by rstd at the end. Program
     # 0 writes h = x + r (the next residual) to a separate buffer, as the others are still reading r.
@@ -146,7 +151,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, str
             wu = _w_tile(w_ptr, offs_n + up_offset, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
         pdl_wait_then_release()
         acc, acc_up, ss = _norm_gemv_tile(0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
-                                          NORM, HAS_RESIDUAL, GATED, BLOCK_K)
+                                          NORM, HAS_RESIDUAL, GATED, BLOCK_K, ZERO_CENTERED)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         w = _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
@@ -154,7 +159,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, str
         if GATED:
             wu = _w_tile(w_ptr, offs_n + up_offset, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
         acc, acc_up, ss = _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid, K,
-                                          NORM, HAS_RESIDUAL, GATED, BLOCK_K)
+                                          NORM, HAS_RESIDUAL, GATED, BLOCK_K, ZERO_CENTERED)
     if NORM:
         rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
     else:
@@ -274,11 +279,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
               block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              num_stages: int | None = None, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: (W RMSNorm(h) [+ b], h) with h = x + residual (x when residual is None), in one launch
     instead of an RMSNorm and a GEMV. gated: W is [gate | up] (2I rows) and the first output is
     silu(gate) * up, [1, I], replacing the SiLU-and-mul kernel as well. norm_weight None: no norm
-    (a plain GEMV, with the residual add and gating still fused)."""
+    (a plain GEMV, with the residual add and gating still fused). zero_centered: the norm scales by
+    (1 + norm_weight) (Qwen3-Next / Qwen3.5 RMSNorm)."""
     k = x.shape[1]
     assert x.shape[0] == 1, f"norm_gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
@@ -296,7 +302,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, y, h, n, k, weight.stride(0), n, float(eps),
         NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ZERO_CENTERED=zero_centered,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
     )
     return y, h

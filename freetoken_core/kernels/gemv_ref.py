@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .fused_ops_ref import rms_norm_torch, silu_and_mul_torch
+from .fused_ops_ref import rms_norm_torch, silu_and_mul_torch, zero_centered_rms_norm_torch
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -16,8 +16,10 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unfused path: (fused-add) RMSNorm, the linear layer, SiLU-and-mul when gated."""
+                        gated: bool = False, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused path: (fused-add) RMSNorm (zero_centered: Qwen3-Next's), the linear layer, SiLU-and-mul
+    when gated."""
     h = x if residual is None else x + residual
-    y = gemv_reference(h if norm_weight is None else rms_norm_torch(h, norm_weight, eps), weight, bias)
+    norm = zero_centered_rms_norm_torch if zero_centered else rms_norm_torch
+    y = gemv_reference(h if norm_weight is None else norm(h, norm_weight, eps), weight, bias)
     return (silu_and_mul_torch(y) if gated else y), h

@@ -9,7 +9,7 @@ twice (the rows are checked like pages are). A slot's old contents are never cle
 first prefill chunk tells the kernels to start from zeros (`initial_zero`).
 
 Speculative verify steps (k + 1 rows per request) run every GDN layer without writing its state,
-keeping the rows' conv inputs and q/k/v/g/beta; once the accepted counts are known, `commit_verify`
+keeping the rows' conv inputs, q/k/v and raw gate inputs a/b; once the accepted counts are known, `commit_verify`
 replays the accepted rows into the states (no per-row state copies: a Qwen3.6 state is ~61 MiB).
 """
 
@@ -57,8 +57,8 @@ class VerifyInputs:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    a: torch.Tensor  # [B*R, Hv], in_proj_ba's raw gate inputs (the kernels compute g and beta from them)
+    b: torch.Tensor
 
 
 @dataclass

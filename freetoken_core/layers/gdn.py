@@ -3,7 +3,8 @@
 h -> in_proj_qkvz -> [q | k | v] through a causal depthwise conv (kernel K, SiLU) and z (the output
 gate); in_proj_ba -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); q, k L2-normed;
 the delta-rule recurrence over the request's state (fp32); per-head gated RMSNorm
-`w * rmsnorm(o) * silu(z)`; out_proj.
+`w * rmsnorm(o) * silu(z)`; out_proj. The gates, the L2 norms and the output norm run inside the
+recurrence kernel: a batch-1 decode is in_proj_qkvz, in_proj_ba, conv, recurrence, out_proj.
 
 Projections are held flat, [q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv)] and [b (Hv) | a (Hv)], so
 [q | k | v] is a view of one output. Qwen3.5 checkpoints store them that way in pieces
@@ -22,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..core import get_context
@@ -67,7 +67,9 @@ class GroupedMergedLinear(MergedLinear):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head `w * rmsnorm(o) * silu(z)` (Llama rounding of the norm, the gate in fp32)."""
+    """Per-head `w * rmsnorm(o) * silu(z)` (Llama rounding of the norm, the gate in fp32). The layer
+    hands its weight to the recurrence (`out_norm`), which applies it in the same launch; calling the
+    module runs it alone (one launch on CUDA)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -75,9 +77,12 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        h = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (h * F.silu(gate.float())).to(x.dtype)
+        """x, gate [T, H, dim] or [N, dim] (strided views are fine)."""
+        if x.is_cuda:
+            from ..kernels import gdn
+
+            return gdn.gated_rmsnorm(x, gate, self.weight, self.eps)
+        return gdn_ref.gated_rmsnorm_ref(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -116,7 +121,9 @@ class GatedDeltaNet(nn.Module):
                                self.head_k_dim, self.head_v_dim)
 
     def attend(self, positions: torch.Tensor, h: torch.Tensor, qkvz: torch.Tensor | None = None) -> torch.Tensor:
-        """h: the normed input rows [T, hidden]; qkvz: in_proj_qkvz(h) when the caller fused it."""
+        """h: the normed input rows [T, hidden]; qkvz: in_proj_qkvz(h) when the caller fused it.
+        Every tensor between the projections is a view of their outputs (no copies); the gates and the
+        output norm run inside the recurrence (kernels/gdn.py `gating=` / `out_norm=`)."""
         ctx = get_context()
         st: LinearStateStep | None = ctx.linear_state
         if ctx.hide_target_state and (st is None or st.is_target):
@@ -127,10 +134,8 @@ class GatedDeltaNet(nn.Module):
         t = h.shape[0]
         qkvz = self.in_proj_qkvz(h) if qkvz is None else qkvz
         conv_in = qkvz[:, : self.conv_dim]
-        z = qkvz[:, self.conv_dim:].reshape(t, self.num_v_heads, self.head_v_dim)
+        z = qkvz[:, self.conv_dim:].view(t, self.num_v_heads, self.head_v_dim)
         b, a = self.in_proj_ba(h).split(self.num_v_heads, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_varlen, conv_update, gdn_varlen, gdn_update = _ops(h)
         i = self.state_index
         conv_pool, state_pool = st.pool.conv[i], st.pool.recurrent[i]
@@ -141,18 +146,22 @@ class GatedDeltaNet(nn.Module):
             y = conv_update(conv_in, weight, None, conv_pool, st.slot_ids, st.num_rows, st.rows_per_req,
                             write_state=st.write_state)
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        q = q.view(t, self.num_k_heads, self.head_k_dim)
+        k = k.view(t, self.num_k_heads, self.head_k_dim)
+        v = v.view(t, self.num_v_heads, self.head_v_dim)
+        gating = (self.A_log, self.dt_bias)  # the kernels compute g and beta from the raw a, b
+        out_norm = (self.norm.weight, z, self.norm.eps)
         if st.varlen:
-            o = gdn_varlen(q, k, v, g, beta, st.cu_seqlens, state_pool, st.slot_ids, st.initial_zero)
+            o = gdn_varlen(q, k, v, a, b, st.cu_seqlens, state_pool, st.slot_ids, st.initial_zero,
+                           gating=gating, out_norm=out_norm)
         else:
-            o = gdn_update(q, k, v, g, beta, state_pool, st.slot_ids, st.num_rows, st.rows_per_req,
-                           write_state=st.write_state)
-            if not st.write_state:  # a verify step: keep what the replay of the accepted rows needs
-                st.saved[i] = VerifyInputs(conv_in.clone(), q.clone(), k.clone(), v.clone(), g.clone(), beta.clone())
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(t, self.value_dim))
+            o = gdn_update(q, k, v, a, b, state_pool, st.slot_ids, st.num_rows, st.rows_per_req,
+                           write_state=st.write_state, gating=gating, out_norm=out_norm)
+            if not st.write_state:
+                # a verify step: keep what the replay of the accepted rows needs. Views, not copies:
+                # they keep this step's projection and conv outputs alive, and nothing writes those.
+                st.saved[i] = VerifyInputs(conv_in, q, k, v, a, b)
+        return self.out_proj(o.reshape(t, self.value_dim))  # contiguous: a view
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, h)
@@ -165,5 +174,5 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         conv_update(saved.conv_in, weight, None, st.pool.conv[i], st.slot_ids, accepted, st.rows_per_req,
                     write_state=True)
-        gdn_update(saved.q, saved.k, saved.v, saved.g, saved.beta, st.pool.recurrent[i], st.slot_ids, accepted,
-                   st.rows_per_req, write_state=True)
+        gdn_update(saved.q, saved.k, saved.v, saved.a, saved.b, st.pool.recurrent[i], st.slot_ids, accepted,
+                   st.rows_per_req, write_state=True, gating=(self.A_log, self.dt_bias))

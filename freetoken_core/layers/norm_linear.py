@@ -15,26 +15,27 @@ import torch
 from ..env import kernel_env
 from .activation import silu_and_mul
 from .linear import Linear, MergedLinear
-from .norm import RMSNorm
+from .norm import RMSNorm, ZeroCenteredRMSNorm
 
 FUSED = kernel_env().norm_gemv  # FREETOKEN_NORM_GEMV=0: separate norm / GEMV / SiLU kernels (A/B)
 
 
-def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
+def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None,
                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (linear(norm(x + residual)), x + residual); x itself is the residual when residual is None.
     gated: `linear` is a [gate | up] MergedLinear and the output is silu(gate) * up."""
     if gated and not (isinstance(linear, MergedLinear) and len(linear.out_sizes) == 2
                       and linear.out_sizes[0] == linear.out_sizes[1]):
         raise ValueError("gated norm_linear needs a [gate | up] MergedLinear of two equal halves")
-    if FUSED and x.is_cuda and type(norm) is RMSNorm:  # the Llama rounding the kernel implements
+    if FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm):  # the two norms the kernel implements
         from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
 
         # not for the gated MLP: there the fused kernel measured slower than the three it would
         # replace (benchmarks/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)
         if (not gated and triton_gemv.use_gemv(x, linear.weight, linear.gemv_min_elements)
                 and norm.weight.dtype == x.dtype and (residual is None or residual.stride(-1) == 1)):
-            return triton_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated)
+            return triton_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
+                                         zero_centered=type(norm) is ZeroCenteredRMSNorm)
     if residual is None:
         residual, h = x, norm(x)
     else:

@@ -1,4 +1,5 @@
-"""Fused Triton small ops (RMSNorm, add+RMSNorm, SiLU-and-mul, rotary) vs their plain-torch references.
+"""Fused Triton small ops (RMSNorm and its zero-centred form, add+RMSNorm, SiLU-and-mul, rotary) vs
+their plain-torch references.
 
 CPU: the kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py) in fp32 and fp16 only (the
 interpreter's bf16 arithmetic is broken), at a few rows to keep the interpreter cheap. GPU (skipped
@@ -72,6 +73,60 @@ def test_rmsnorm_of_strided_head_view():
     _assert_mostly_exact(got, ops.rmsnorm_reference(q, w, 1e-6))
 
 
+def test_zero_centered_reference_matches_transformers():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    from freetoken_core.layers import ZeroCenteredRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = _randn(3, 40, dtype=dtype, device="cpu"), 0.3 * _randn(40, dtype=dtype, device="cpu", seed=1)
+        hf = Qwen3NextRMSNorm(40, eps=1e-6).to(dtype)
+        hf.weight.data.copy_(w)
+        ours = ZeroCenteredRMSNorm(40, 1e-6, dtype)
+        ours.weight.data.copy_(w)
+        torch.testing.assert_close(ops.rmsnorm_reference(x, w, 1e-6, zero_centered=True), hf(x), atol=0, rtol=0)
+        torch.testing.assert_close(ours(x), hf(x), atol=0, rtol=0)  # the layer's CPU path is the reference
+        res = _randn(3, 40, dtype=dtype, device="cpu", seed=2)
+        normed, new_res = ours(x, res)
+        torch.testing.assert_close(new_res, x + res, atol=0, rtol=0)
+        torch.testing.assert_close(normed, hf(x + res), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_zero_centered_rmsnorm_matches_reference(dtype, residual):
+    x, res = _randn(3, 40, dtype=dtype), _randn(3, 40, dtype=dtype, seed=2)
+    w = (0.3 * _randn(40, dtype=torch.float32, seed=1)).to(dtype)  # stored as w - 1
+    if residual:
+        normed, new_res = ops.fused_add_rmsnorm(x, res, w, 1e-6, zero_centered=True)
+        ref_normed, ref_res = ops.fused_add_rmsnorm_reference(x, res, w, 1e-6, zero_centered=True)
+        torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+        _assert_mostly_exact(normed, ref_normed)
+    else:
+        _assert_mostly_exact(ops.rmsnorm(x, w, 1e-6, zero_centered=True),
+                             ops.rmsnorm_reference(x, w, 1e-6, zero_centered=True))
+    q = _randn(2, 3 * 24, dtype=dtype)[:, 24:].view(2, 2, 24)  # a strided head view (the q/k norms)
+    _assert_mostly_exact(ops.rmsnorm(q, w[:24], 1e-6, zero_centered=True),
+                         ops.rmsnorm_reference(q, w[:24], 1e-6, zero_centered=True))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("residual", [False, True])
+def test_zero_centered_norm_gemv_matches_reference(dtype, residual):
+    from freetoken_core.kernels import gemv
+
+    k, n = 200, 72
+    x, r = _randn(1, k, dtype=dtype, seed=1), _randn(1, k, dtype=dtype, seed=6) if residual else None
+    g = 0.1 * _randn(k, dtype=dtype, seed=7)
+    w = _randn(n, k, dtype=dtype, seed=2) * 0.1
+    got, h = gemv.norm_gemv(x, r, g, 1e-6, w, None, block_n=16, block_k=64, num_warps=4, num_stages=2,
+                            zero_centered=True)
+    want, want_h = gemv.norm_gemv_reference(x, r, g, 1e-6, w, None, zero_centered=True)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("inter", [24, 1100])  # 1100: two column blocks, the second partial
 def test_silu_and_mul_matches_reference(dtype, inter):
@@ -141,6 +196,40 @@ def test_gpu_norms_bf16(t, n):
     ref_normed, ref_res = ops.fused_add_rmsnorm_reference(x, res, w, 1e-5)
     torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
     _assert_mostly_exact(normed, ref_normed)
+
+
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 7, 256])
+def test_gpu_zero_centered_norms_bf16(t):
+    n = 2048  # Qwen3.6's hidden size
+    x = _randn(t, n, dtype=torch.bfloat16, device="cuda")
+    res = _randn(t, n, dtype=torch.bfloat16, device="cuda", seed=2)
+    w = (0.3 * _randn(n, dtype=torch.float32, seed=1)).to("cuda", torch.bfloat16)
+    _assert_mostly_exact(ops.rmsnorm(x, w, 1e-6, True), ops.rmsnorm_reference(x, w, 1e-6, True))
+    normed, new_res = ops.fused_add_rmsnorm(x, res, w, 1e-6, True)
+    ref_normed, ref_res = ops.fused_add_rmsnorm_reference(x, res, w, 1e-6, True)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+    _assert_mostly_exact(normed, ref_normed)
+
+
+@needs_cuda
+def test_gpu_zero_centered_layers_dispatch():
+    """ZeroCenteredRMSNorm takes the fused kernel on CUDA, and norm_linear the fused norm + GEMV."""
+    from freetoken_core.kernels import gemv
+    from freetoken_core.layers import Linear, ZeroCenteredRMSNorm
+    from freetoken_core.layers.norm_linear import norm_linear
+
+    norm = ZeroCenteredRMSNorm(2048, 1e-6, torch.bfloat16).cuda()
+    norm.weight.data.normal_(0, 0.3)
+    x = _randn(1, 2048, dtype=torch.bfloat16, device="cuda")
+    res = _randn(1, 2048, dtype=torch.bfloat16, device="cuda", seed=2)
+    _assert_mostly_exact(norm(x), ops.rmsnorm_reference(x, norm.weight, 1e-6, True))
+    lin = Linear(2048, 9216, bias=False, dtype=torch.bfloat16).cuda()  # Qwen3.6's gated-attention qkv
+    lin.weight.data.normal_(0, 0.02)
+    y, h = norm_linear(norm, lin, x, res)
+    want, want_h = gemv.norm_gemv_reference(x, res, norm.weight, 1e-6, lin.weight, None, zero_centered=True)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+    torch.testing.assert_close(y, want, atol=5e-2, rtol=2e-2)
 
 
 @needs_cuda

@@ -47,6 +47,20 @@ def gdn_inputs(T: int, Hk: int = 2, Hv: int = 4, dk: int = 16, dv: int = 16, dty
     return (*(x.to(device, dtype) for x in (q, k, v)), g.to(device), beta.to(device, dtype))
 
 
+def gate_inputs(T: int, Hv: int = 4, dv: int = 16, dtype=torch.float32, device: str = DEV, seed: int = 7):
+    """in_proj_ba's raw a, b [T, Hv] (a spans softplus's threshold and its log1p tail), A_log and
+    dt_bias [Hv], and the output norm's weight [dv] and gate z [T, Hv, dv]."""
+    gen = _gen(seed)
+    a = torch.randn(T, Hv, generator=gen) * 8.0
+    a[0, 0], a[-1, -1] = 25.0, -40.0
+    b = torch.randn(T, Hv, generator=gen) * 2.0
+    A_log = torch.rand(Hv, generator=gen).mul(16).add(0.01).log()
+    dt_bias = torch.randn(Hv, generator=gen)
+    w = 1 + 0.3 * torch.randn(dv, generator=gen)
+    z = torch.randn(T, Hv, dv, generator=gen)
+    return tuple(x.to(device, dtype) for x in (a, b, A_log, dt_bias, w, z))
+
+
 def state_pool(Hv: int = 4, dk: int = 16, dv: int = 16, dtype=torch.float32, device: str = DEV, seed: int = 1):
     return (0.5 * torch.randn(SLOTS, Hv, dk, dv, generator=_gen(seed))).to(device, dtype)
 
@@ -201,6 +215,39 @@ def test_conv_update_ref_matches_varlen():
     assert torch.equal(pool, pool_v)
 
 
+def test_gating_ref_matches_transformers():
+    """transformers' Qwen3NextGatedDeltaNet: beta = b.sigmoid(),
+    g = -A_log.float().exp() * softplus(a.float() + dt_bias)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b, A_log, dt_bias, _, _ = gate_inputs(5, dtype=dtype, device="cpu")
+        g, beta = ref.gdn_gating_ref(a, b, A_log, dt_bias)
+        assert g.dtype == torch.float32 and beta.dtype == dtype
+        torch.testing.assert_close(g, -A_log.float().exp() * F.softplus(a.float() + dt_bias), atol=0, rtol=0)
+        torch.testing.assert_close(beta, b.sigmoid(), atol=0, rtol=0)
+
+
+def test_gated_rmsnorm_ref_matches_transformers():
+    for dtype in (torch.float32, torch.bfloat16):
+        _, _, _, _, w, z = gate_inputs(3, dtype=dtype, device="cpu")
+        x = torch.randn(3, 4, 16, generator=_gen(1)).to(dtype)
+        norm = hf.Qwen3NextRMSNormGated(16, eps=1e-6).to(dtype)
+        norm.weight.data.copy_(w)
+        torch.testing.assert_close(ref.gated_rmsnorm_ref(x, z, w, 1e-6), norm(x, z), atol=0, rtol=0)
+
+
+def test_update_ref_with_gating_and_out_norm_is_the_unfused_sequence():
+    B = len(NUM_ROWS)
+    q, k, v, _, _ = gdn_inputs(B * R_ROWS, device="cpu")
+    a, b, A_log, dt_bias, w, z = gate_inputs(B * R_ROWS, device="cpu")
+    pool, pool2 = state_pool(device="cpu"), state_pool(device="cpu")
+    args = (ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu"), R_ROWS)
+    got = ref.gdn_recurrent_update_ref(q, k, v, a, b, pool, *args, gating=(A_log, dt_bias), out_norm=(w, z, 1e-6))
+    g, beta = ref.gdn_gating_ref(a, b, A_log, dt_bias)
+    o = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool2, *args)
+    torch.testing.assert_close(got, ref.gated_rmsnorm_ref(o, z, w, 1e-6), atol=0, rtol=0)
+    assert torch.equal(pool, pool2)
+
+
 def test_bf16_state_pool_ref():
     """A bf16 pool: loaded to fp32, computed in fp32, stored rounded (CPU torch bf16 is exact)."""
     B = len(NUM_ROWS)
@@ -249,6 +296,56 @@ def test_gdn_recurrent_update_kernel(R, write_state, dk, dv):
     torch.testing.assert_close(pool, pool_ref, **TOL)
     if not write_state:
         assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("R,write_state", [(1, True), (4, True), (4, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_v", [None, 32])  # dv = 24: BV 8 (a separate norm launch) or 32 (fused epilogue)
+def test_gdn_update_kernel_gating_and_out_norm(R, write_state, dtype, block_v):
+    """Raw a, b gated in the kernel and the gated output norm, fused (one program per head) or not."""
+    slots, num_rows = _update_case(R)
+    B, Hv, dk, dv = len(slots), 4, 16, 24
+    q, k, v, _, _ = gdn_inputs(B * R, dk=dk, dv=dv, dtype=dtype, seed=R)
+    a, b, A_log, dt_bias, w, z = gate_inputs(B * R, Hv, dv, dtype=dtype)
+    zs = torch.cat([z, z], dim=-1)[..., :dv]  # a strided view, as the model's slice of in_proj_qkvz
+    pool = state_pool(dk=dk, dv=dv)
+    pool_ref = pool.clone()
+    args = (ids(slots), ids(num_rows), R, write_state)
+    kw = dict(gating=(A_log, dt_bias), out_norm=(w, zs, 1e-6))
+    o = gdn.gdn_recurrent_update(q, k, v, a, b, pool, *args, **kw, block_v=block_v or 8)
+    o_ref = ref.gdn_recurrent_update_ref(q, k, v, a, b, pool_ref, *args, **kw)
+    assert o.is_contiguous()
+    tol = TOL if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(o, o_ref, **tol)
+    torch.testing.assert_close(pool, pool_ref, **(TOL if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gated_rmsnorm_kernel(dtype):
+    T, H, D = 2, 40, 40  # D not a power of two; 32 heads per program: two head blocks, the second partial
+    _, _, _, _, w, z = gate_inputs(T, H, D, dtype=dtype)
+    x = torch.randn(T, H, 2 * D, generator=_gen(3)).to(DEV, dtype)[..., D:]  # strided
+    got = gdn.gated_rmsnorm(x, z, w, 1e-6)
+    assert got.is_contiguous() and got.shape == (T, H, D)
+    want = ref.gated_rmsnorm_ref(x, z, w, 1e-6)
+    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(got, want, **tol)
+    flat = gdn.gated_rmsnorm(x[0], z[0], w, 1e-6)  # [N, D] rows: one head each
+    torch.testing.assert_close(flat, want[0], **tol)
+
+
+def test_gdn_varlen_kernel_gating_and_out_norm():
+    lens, slots, fresh = [5, 0, 3], [3, 6, 1], [False, True, True]
+    q, k, v, _, _ = gdn_inputs(sum(lens), dk=16, dv=16)
+    a, b, A_log, dt_bias, w, z = gate_inputs(sum(lens), 4, 16)
+    pool = state_pool(dk=16, dv=16)
+    pool_ref = pool.clone()
+    seqs, slot_ids, fresh_ids = cu(lens), ids(slots), ids(fresh, dtype=torch.bool)
+    kw = dict(gating=(A_log, dt_bias), out_norm=(w, z, 1e-6))
+    o = gdn.gdn_varlen(q, k, v, a, b, seqs, pool, slot_ids, fresh_ids, **kw)
+    o_ref = ref.gdn_varlen_ref(q, k, v, a, b, seqs, pool_ref, slot_ids, fresh_ids, chunk_size=None, **kw)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(pool, pool_ref, **TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -314,7 +411,8 @@ def test_causal_conv1d_varlen_kernel(dtype):
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_verify_then_replay_equals_sequential_decode(impl):
+@pytest.mark.parametrize("raw_gates", [False, True])
+def test_verify_then_replay_equals_sequential_decode(impl, raw_gates):
     """Speculative verify: one pass over R rows without writing, then a replay of the same inputs with
     num_rows = accepted count. Request i accepts a = i + 1 rows: every a in 1..R in one batch. The
     replay must leave exactly the state of a plain decode of the first a rows, and verify's outputs
@@ -325,21 +423,25 @@ def test_verify_then_replay_equals_sequential_decode(impl):
     upd = gdn.gdn_recurrent_update if impl == "triton" else ref.gdn_recurrent_update_ref
     conv = gdn.conv1d_update if impl == "triton" else ref.conv1d_update_ref
     q, k, v, g, beta = gdn_inputs(B * R, Hk, Hv, dk, dv, seed=5)
+    kw = {}
+    if raw_gates:  # the layer's way: a, b of in_proj_ba, gated in the kernel (saved raw for the replay)
+        g, beta, A_log, dt_bias, _, _ = gate_inputs(B * R, Hv, dv, seed=5)
+        kw = dict(gating=(A_log, dt_bias))
     x, w, b, cpool = conv_inputs(B * R, C, seed=6)
     spool = state_pool(Hv, dk, dv)
     spool_seq, cpool_seq = spool.clone(), cpool.clone()
     before = (spool.clone(), cpool.clone())
 
-    o_ver = upd(q, k, v, g, beta, spool, slots, accepted, R, False)
+    o_ver = upd(q, k, v, g, beta, spool, slots, accepted, R, False, **kw)
     y_ver = conv(x, w, b, cpool, slots, accepted, R, False)
     assert torch.equal(spool, before[0]) and torch.equal(cpool, before[1])
-    upd(q, k, v, g, beta, spool, slots, accepted, R, True)
+    upd(q, k, v, g, beta, spool, slots, accepted, R, True, **kw)
     conv(x, w, b, cpool, slots, accepted, R, True)
 
     for r in range(R):  # plain decode, row r of every request; requests past their count do not write
         rows = torch.arange(B, device=DEV) * R + r
         live = (accepted > r).to(torch.int32)
-        o_r = upd(q[rows], k[rows], v[rows], g[rows], beta[rows], spool_seq, slots, live, 1, True)
+        o_r = upd(q[rows], k[rows], v[rows], g[rows], beta[rows], spool_seq, slots, live, 1, True, **kw)
         y_r = conv(x[rows], w, b, cpool_seq, slots, live, 1, True)
         keep = live.bool()
         torch.testing.assert_close(o_ver[rows][keep], o_r[keep], atol=1e-6, rtol=1e-6)
@@ -386,6 +488,27 @@ def test_gpu_update_kernels_qwen36_shapes(B, R, pool_dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("B,R", [(1, 1), (64, 1), (8, 5)])
+@pytest.mark.parametrize("block_v", [None, 16, 128])  # the table's choice, a separate norm launch, the fused epilogue
+def test_gpu_gating_and_out_norm_qwen36_bf16(B, R, block_v):
+    """The layer's call: raw a, b and the gated output norm in the recurrence, bf16 activations."""
+    slots = torch.randperm(B, generator=_gen(B)).to(DEV, torch.int32) + 1
+    num_rows = torch.randint(0, R + 1, (B,), generator=_gen(R)).to(DEV, torch.int32)
+    q, k, v, _, _ = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16)
+    a, b, A_log, dt_bias, w, z = gate_inputs(B * R, 32, 128, dtype=torch.bfloat16)
+    pool = 0.5 * torch.randn(B + 1, 32, 128, 128, device=DEV)
+    pool_ref = pool.clone()
+    kw = dict(gating=(A_log, dt_bias), out_norm=(w, z, 1e-6))
+    o = gdn.gdn_recurrent_update(q, k, v, a, b, pool, slots, num_rows, R, True, **kw, block_v=block_v,
+                                 num_warps=None if block_v != 128 else 8)
+    o_ref = ref.gdn_recurrent_update_ref(q, k, v, a, b, pool_ref, slots, num_rows, R, True, **kw)
+    torch.testing.assert_close(o, o_ref, **BF16_TOL)
+    torch.testing.assert_close(pool, pool_ref, atol=1e-4, rtol=1e-4)
+    x = torch.randn(B * R, 32, 128, device=DEV, dtype=torch.bfloat16)
+    torch.testing.assert_close(gdn.gated_rmsnorm(x, z, w, 1e-6), ref.gated_rmsnorm_ref(x, z, w, 1e-6), **BF16_TOL)
+
+
+@needs_cuda
 def test_gpu_varlen_kernels_bf16():
     lens, slots, fresh = [300, 1, 2, 1000], [1, 2, 3, 4], [True, False, False, True]
     q, k, v, g, beta = gdn_inputs(sum(lens), **QWEN36, dtype=torch.bfloat16)
@@ -410,9 +533,11 @@ def test_gpu_varlen_kernels_bf16():
 def test_gpu_update_kernels_in_cuda_graph(R, write_state):
     """Captured once with static buffers; replayed with new inputs, slots and counts copied in."""
     B = 16
-    q, k, v, g, beta = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16)
+    q, k, v, _, _ = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16)
+    g, beta, A_log, dt_bias, nw, z = gate_inputs(B * R, 32, 128, dtype=torch.bfloat16)  # raw a, b: the layer's call
     x, w, _, _ = conv_inputs(B * R, QWEN36_C, dtype=torch.bfloat16, bias=False)
     static = [t.clone() for t in (q, k, v, g, beta, x)]
+    kw = dict(gating=(A_log, dt_bias), out_norm=(nw, z, 1e-6))
     slots = torch.arange(1, B + 1, device=DEV, dtype=torch.int32)
     num_rows = torch.full((B,), R, device=DEV, dtype=torch.int32)
     pool = torch.randn(2 * B + 1, 32, 128, 128, device=DEV) * 0.5
@@ -420,7 +545,7 @@ def test_gpu_update_kernels_in_cuda_graph(R, write_state):
 
     def step():
         y = gdn.conv1d_update(static[5], w, None, cpool, slots, num_rows, R, write_state)
-        o = gdn.gdn_recurrent_update(*static[:5], pool, slots, num_rows, R, write_state)
+        o = gdn.gdn_recurrent_update(*static[:5], pool, slots, num_rows, R, write_state, **kw)
         return o, y
 
     side = torch.cuda.Stream()
@@ -435,7 +560,8 @@ def test_gpu_update_kernels_in_cuda_graph(R, write_state):
     with torch.cuda.graph(graph):
         out = step()
 
-    new = gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16, seed=9)
+    new = (*gdn_inputs(B * R, **QWEN36, dtype=torch.bfloat16, seed=9)[:3],
+           *gate_inputs(B * R, 32, 128, dtype=torch.bfloat16, seed=9)[:2])
     new_x = conv_inputs(B * R, QWEN36_C, dtype=torch.bfloat16, seed=9)[0]
     for t, n in zip(static, (*new, new_x)):
         t.copy_(n)
@@ -443,7 +569,7 @@ def test_gpu_update_kernels_in_cuda_graph(R, write_state):
     num_rows.copy_(torch.randint(0, R + 1, (B,), generator=_gen(4)).to(DEV, torch.int32))
     pool_ref, cpool_ref = pool.clone(), cpool.clone()
     graph.replay()
-    o_ref = ref.gdn_recurrent_update_ref(*new, pool_ref, slots, num_rows, R, write_state)
+    o_ref = ref.gdn_recurrent_update_ref(*new, pool_ref, slots, num_rows, R, write_state, **kw)
     y_ref = ref.conv1d_update_ref(new_x, w, None, cpool_ref, slots, num_rows, R, write_state)
     torch.testing.assert_close(out[0], o_ref, **BF16_TOL)
     torch.testing.assert_close(out[1], y_ref, **BF16_TOL)
