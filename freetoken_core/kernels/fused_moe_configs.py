@@ -33,6 +33,10 @@ Config = dict[str, Any]
 # To be confirmed by benchmarks/bench_moe.py.
 DECODE_MAX_TOKENS = 8
 
+# The decode gate/up GEMV ranks the router logits itself (`fused_moe_decode_routed`) for at most this
+# many experts: each of its programs holds one token's E fp32 probabilities in registers.
+MAX_ROUTED_EXPERTS = 512
+
 
 def _seed(m: int, n: int, k: int, group: int, warps: int, stages: int) -> Config:
     return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n // 2, BLOCK_SIZE_K=k, GROUP_SIZE_M=group, num_warps=warps,
@@ -57,7 +61,9 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 }
 
 # Decode path: (E, H, I, dtype name) -> {"gate_up": ..., "down": ...}, each with BLOCK_N (output
-# columns per program), BLOCK_K, num_warps, num_stages. To be set by measurement on the H200.
+# columns per program), BLOCK_K, num_warps, num_stages. To be set by measurement on the H200
+# (benchmarks/bench_moe_gemv.py --shape all prints the entries). The routed gate/up GEMV (top-k fused
+# in, `fused_moe_decode_routed`) uses the "gate_up" tile.
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
     # One sweep on the H200 (bf16, T = 1, k = 8, 16 routings cycled through all experts inside a CUDA
     # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.

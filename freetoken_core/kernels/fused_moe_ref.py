@@ -23,8 +23,8 @@ def topk_softmax_ref(router_logits: torch.Tensor, top_k: int,
     """Router logits [T, E] (any float dtype) -> (weights fp32 [T, k], expert ids int32 [T, k]).
 
     Softmax in fp32 over all experts, top-k of the probabilities (sorted, largest first; torch.topk
-    breaks exact ties towards the lower id), renormalised over the k chosen when `renormalize`
-    (Qwen3's `norm_topk_prob`). The weights stay fp32: the experts cast them to the hidden dtype
+    orders exact ties in no promised way: the kernels take the lower id), renormalised over the k
+    chosen when `renormalize` (Qwen3's `norm_topk_prob`). The weights stay fp32: the experts cast them to the hidden dtype
     where transformers does, so fp32 is the exact common ground for both paths.
     """
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
@@ -58,6 +58,14 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = F.linear(act, w2[e]) * weights[token, route, None]
         out.index_add_(0, token, y)
     return out
+
+
+def fused_moe_routed_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router top-k then the experts: (out [T, H], weights fp32 [T, k], ids int32 [T, k]), the reference
+    of `fused_moe_decode_routed` (the top-k fused into the first decode GEMV)."""
+    weights, ids = topk_softmax_ref(router_logits, top_k, renormalize)
+    return fused_moe_ref(x, w13, w2, weights, ids), weights, ids
 
 
 def moe_padded_len(num_routes: int, block_size: int, num_experts: int) -> int:

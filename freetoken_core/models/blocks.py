@@ -17,7 +17,8 @@ from torch import nn
 from ..core import get_context
 from ..kvcache.spec import AttentionCacheSpec, LayerCacheSpec
 from ..layers import (
-    Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, rope_parameters, silu_and_mul,
+    Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, ZeroCenteredRMSNorm, rope_parameters,
+    silu_and_mul,
 )
 from ..layers.norm_linear import norm_linear
 
@@ -77,14 +78,35 @@ class Attention(nn.Module):
         q, gate = self.split_query(q.view(t, -1, self.head_dim))
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self._fuses_qk_norm_rotary(q):
+            q, k = self._qk_norm_rotary(positions, q, k)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         ctx = get_context()
         o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+    def _fuses_qk_norm_rotary(self, q: torch.Tensor) -> bool:
+        """CUDA with the fused ops on: q/k norm and rotary run as one kernel (3 launches -> 1). Only for
+        the two norm formulas the kernel knows; CPU keeps the torch path (the reference)."""
+        if self.q_norm is None or not q.is_cuda or type(self.q_norm) not in (RMSNorm, ZeroCenteredRMSNorm):
+            return False
+        from ..kernels import fused_ops  # first CUDA use: CPU users never load Triton
+
+        return fused_ops.use_fused(q) and type(self.rotary) is RotaryEmbedding  # a subclass may rotate otherwise
+
+    def _qk_norm_rotary(self, positions: torch.Tensor, q: torch.Tensor,
+                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from ..kernels.qk_norm_rotary import qk_norm_rotary
+
+        assert self.q_norm is not None and self.k_norm is not None
+        return qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                              self.k_norm.eps, self.rotary.cos_sin_cache, self.rotary.rot_dim,
+                              zero_centered=isinstance(self.q_norm, ZeroCenteredRMSNorm))
 
     def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[T, H, D] -> (q, None); the gated attention's [T, H, 2D] -> (q, gate [T, H * D])."""

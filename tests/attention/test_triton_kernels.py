@@ -8,7 +8,9 @@ import torch
 from attn_cases import make_case
 
 from freetoken_core.attention.triton import reference as ref
-from freetoken_core.attention.triton.decode import MAX_SPLITS, decode_attention, num_kv_splits
+from freetoken_core.attention.triton.decode import (
+    MAX_SPLITS, alloc_partials, alloc_split_counters, decode_attention, num_kv_splits,
+)
 from freetoken_core.attention.triton.extend import extend_attention
 from freetoken_core.attention.triton.store_kv import store_kv
 
@@ -47,20 +49,44 @@ def test_store_kv_strided_input_and_cast():
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("rows_per_req", [1, 3])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_matches_reference(dtype, page_size, group, rows_per_req, num_splits):
+@pytest.mark.parametrize("num_splits,fused_merge", [(1, True), (3, True), (3, False)])
+def test_decode_matches_reference(dtype, page_size, group, rows_per_req, num_splits, fused_merge):
+    """num_splits 1: the no-split kernel; 3 with fused_merge: one launch, the last split merges;
+    3 without: the split kernel + the merge kernel."""
     num_kv_heads = 2
     prefix = [0, 5, 37]  # mixed lengths; the first request has no cached prefix at all
     c = make_case(prefix, [rows_per_req] * 3, num_kv_heads * group, num_kv_heads, HEAD_DIM, page_size, dtype, DEVICE)
     ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
     out = decode_attention(
         c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens), 0.3,
-        rows_per_req=rows_per_req, num_splits=num_splits, block_n=16,
+        rows_per_req=rows_per_req, num_splits=num_splits, block_n=16, fused_merge=fused_merge,
     )
     expect = ref.paged_attention_reference(
         c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows, c.prefix_lens, c.extend_lens, 0.3
     )
     torch.testing.assert_close(out.float(), expect.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_fused_merge_reuses_static_buffers_and_leaves_counters_zero():
+    """As in a CUDA graph: the same partials and tickets for launch after launch (layer after layer);
+    each launch must reset its tickets, or the next would merge at the wrong split. The first request
+    is shorter than the split count's shares (empty splits: -inf partials weigh nothing)."""
+    c = make_case([1, 40, 23], [1, 1, 1], 6, 2, HEAD_DIM, 4, torch.float32, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    part_out, part_lse = alloc_partials(3, 6, 4, HEAD_DIM, c.q.device)
+    counters = alloc_split_counters(3, 2, c.q.device)
+    rows, seqs = c.ints(c.table_rows), c.ints(c.seq_lens)
+    expect = ref.paged_attention_reference(c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows,
+                                           c.prefix_lens, c.extend_lens, 0.3)
+    unfused = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seqs, 0.3, num_splits=4, block_n=16,
+                               fused_merge=False)
+    for _ in range(3):
+        out = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seqs, 0.3, num_splits=4,
+                               part_out=part_out, part_lse=part_lse, split_counters=counters, block_n=16,
+                               fused_merge=True)
+        assert torch.equal(counters, torch.zeros_like(counters))
+        torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(out, unfused, atol=1e-6, rtol=1e-6)  # the same merge, another order
 
 
 def test_decode_head_dim_not_power_of_two():
@@ -107,3 +133,42 @@ def test_num_kv_splits_bounds():
     assert num_kv_splits(1, 8, 4096, 132) > 1  # one long request: split to fill the GPU
     assert num_kv_splits(256, 8, 4096, 132) == 1  # a big batch fills it already
     assert num_kv_splits(1, 1, 10**6, 132) == MAX_SPLITS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: many programs racing for the tickets")
+@pytest.mark.parametrize("batch_size,num_splits", [(1, 4), (8, 16), (64, 32)])
+def test_gpu_fused_merge_under_contention_and_in_a_graph(batch_size, num_splits):
+    """The in-kernel merge on real hardware: every (request, KV head) racing its splits, launch after
+    launch on the same tickets (eagerly and replayed in a CUDA graph, PDL as configured), against the
+    two-launch merge; bf16 Qwen3-30B-A3B heads (32 q / 4 KV, D 128)."""
+    g = torch.Generator().manual_seed(batch_size)
+    prefix = torch.randint(1, 3000, (batch_size,), generator=g).tolist()
+    c = make_case(prefix, [1] * batch_size, 32, 4, 128, 16, torch.bfloat16, "cuda")
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    rows, seqs = c.ints(c.table_rows), c.ints(c.seq_lens)
+    part_out, part_lse = alloc_partials(batch_size, 32, num_splits, 128, c.q.device)
+    counters = alloc_split_counters(batch_size, 4, c.q.device)
+    out = torch.empty_like(c.q)
+
+    def fused() -> torch.Tensor:
+        return decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seqs, 0.088, num_splits=num_splits,
+                                part_out=part_out, part_lse=part_lse, split_counters=counters, out=out,
+                                fused_merge=True)
+
+    want = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seqs, 0.088, num_splits=num_splits,
+                            fused_merge=False)
+    for _ in range(20):
+        torch.testing.assert_close(fused(), want, atol=1e-2, rtol=1e-2)
+        assert int((fused() != want).sum()) <= want.numel() // 100  # only last-place flips of the merge order
+    torch.cuda.synchronize()
+    assert torch.equal(counters, torch.zeros_like(counters))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(8):  # eight layers' worth on the same tickets
+            fused()
+    for _ in range(5):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(counters, torch.zeros_like(counters))

@@ -8,7 +8,9 @@ CUDA graphs (engine/graph.py): `init_capture_graph` allocates static metadata an
 for the largest batch; `prepare_for_capture` gives a capture batch metadata that views them; and
 `prepare_for_replay` copies a real batch's lengths and table rows into them (padding rows point
 at the dummy table row with R keys, which live on the dummy page). The decode grid depends only on
-the padded batch size and a split count fixed per size from max_seq_len, never on the lengths.
+the padded batch size and a split count fixed per size from max_seq_len, never on the lengths;
+with more than one split the splits merge inside the decode kernel (decode.py), so decode attention
+is one launch per layer either way, its split tickets a static buffer that every launch leaves zero.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ...core import Batch, pinned, to_device
 from ...kvcache.pool import KVCache
 from ..base import AttnBackend, AttnLayout, BackendInfo
 from . import interpreter_on
-from .decode import alloc_partials, decode_attention, num_kv_splits
+from .decode import alloc_partials, alloc_split_counters, decode_attention, num_kv_splits
 from .extend import extend_attention
 from .store_kv import store_kv
 
@@ -36,6 +38,7 @@ class TritonAttnMetadata:
     num_splits: int = 1
     part_out: torch.Tensor | None = None  # [B * R, H, S, D] fp32 split scratch (None when S == 1)
     part_lse: torch.Tensor | None = None
+    split_counters: torch.Tensor | None = None  # [B * Hkv] int32 tickets of the in-kernel merge (S > 1)
     # prefill
     prefix_lens: torch.Tensor | None = None  # [B] int32
     extend_lens: torch.Tensor | None = None  # [B] int32
@@ -52,6 +55,7 @@ class _GraphBuffers:
     ints: torch.Tensor  # [2, max_bs] int32: seq_lens, table_rows
     part_out: torch.Tensor
     part_lse: torch.Tensor
+    split_counters: torch.Tensor  # [max_bs * Hkv] int32, zero; every decode launch leaves it zero
     metadata: dict[int, TritonAttnMetadata]  # per captured batch size
 
 
@@ -114,14 +118,15 @@ class TritonBackend(AttnBackend):
         )
         ints = self._to_device([batch.seq_lens, table_rows])
         splits = num_kv_splits(batch.size, self.layout.num_kv_heads, max(batch.seq_lens, default=1), self.num_sms)
-        part_out = part_lse = None
+        part_out = part_lse = counters = None
         if splits > 1:
             part_out, part_lse = alloc_partials(
                 batch.size * rows, self.layout.num_heads, splits, self.layout.head_dim, self.device
             )
+            counters = alloc_split_counters(batch.size, self.layout.num_kv_heads, self.device)  # once per step
         batch.attn_metadata = TritonAttnMetadata(
             phase=batch.phase, rows_per_req=rows, seq_lens=ints[0], table_rows=ints[1],
-            num_splits=splits, part_out=part_out, part_lse=part_lse,
+            num_splits=splits, part_out=part_out, part_lse=part_lse, split_counters=counters,
         )
 
     # --- forward ----------------------------------------------------------------------------
@@ -140,7 +145,7 @@ class TritonBackend(AttnBackend):
             out = decode_attention(
                 q, k_cache, v_cache, self.page_table, md.table_rows, md.seq_lens, self.layout.scale,
                 rows_per_req=md.rows_per_req, num_splits=md.num_splits,
-                part_out=md.part_out, part_lse=md.part_lse,
+                part_out=md.part_out, part_lse=md.part_lse, split_counters=md.split_counters,
             )
         return out.view(out.shape[0], -1)
 
@@ -164,7 +169,8 @@ class TritonBackend(AttnBackend):
         ints = torch.zeros(2, max_bs, dtype=torch.int32, device=self.device)
         ints[0].fill_(rows_per_req)
         ints[1].fill_(self.dummy_row)
-        self._graphs[rows_per_req] = _GraphBuffers(max_bs, max_seq_len, ints, part_out, part_lse, {})
+        counters = alloc_split_counters(max_bs, self.layout.num_kv_heads, self.device)
+        self._graphs[rows_per_req] = _GraphBuffers(max_bs, max_seq_len, ints, part_out, part_lse, counters, {})
 
     def _graph_state(self, batch: Batch) -> tuple[_GraphBuffers, int, int]:
         rows = self._rows_per_req(batch)
@@ -190,6 +196,7 @@ class TritonBackend(AttnBackend):
             num_splits=splits,
             part_out=gb.part_out[: bs * rows, :, :splits] if splits > 1 else None,
             part_lse=gb.part_lse[: bs * rows, :, :splits] if splits > 1 else None,
+            split_counters=gb.split_counters[: bs * self.layout.num_kv_heads] if splits > 1 else None,
         )
         gb.metadata[bs] = md
         self._fill_static(gb, batch, rows, bs)

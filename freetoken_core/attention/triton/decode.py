@@ -7,10 +7,20 @@ for speculative verify). Row r sits at position seq_len - R + r and attends caus
 Kernel 1 runs one program per (request, KV head, split): it stacks the R x G query rows of the KV
 head's G query heads into one tile (GQA: the keys are read once for all of them), walks its share
 of the request's keys through the page table, and writes a normalised partial output plus its
-log-sum-exp (base 2). Kernel 2 merges the splits. With one split, kernel 1 writes the final output
-directly. A split's share is computed in the kernel from the request's own length, so the grid
-depends only on (batch size, KV heads, number of splits): CUDA graphs replay it for any lengths,
-and programs whose share is empty just record an empty partial.
+log-sum-exp (base 2). With one split, kernel 1 writes the final output directly (the no-split
+variant: one program per (request, KV head), no partials). A split's share is computed in the
+kernel from the request's own length, so the grid depends only on (batch size, KV heads, number
+of splits): CUDA graphs replay it for any lengths, and programs whose share is empty just record
+an empty partial.
+
+Merging the splits: by default (`fused_merge`, FREETOKEN_DECODE_FUSED_MERGE) inside kernel 1, by the
+split that finishes last: each split, after storing its partial, takes a ticket from a
+per-(request, KV head) counter (a CTA barrier, then one acq_rel atomic: CUTLASS's split-K semaphore
+pattern); the split that draws num_splits - 1 reads all the partials back from L2 (.cg), writes the
+output and resets the counter to 0 for the next launch (the next layer, the next graph replay). So
+decode attention is one launch at any length while the split count stays the host's capture-time
+constant. Otherwise kernel 2 merges them (a second launch). The counters ([B * Hkv] int32, zero)
+are static graph buffers (backend.py) or allocated here.
 
 Reference: `reference.paged_attention_reference` with extend_lens = [R] * B.
 """
@@ -21,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ...env import kernel_env
 from ...kernels.pdl import pdl_launch
 from ...kernels.pdl_jit import pdl_wait_then_release
 
+FUSED_MERGE = kernel_env().decode_fused_merge  # FREETOKEN_DECODE_FUSED_MERGE (freetoken_core/env.py)
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # a split shorter than this costs more in merging than it gains
 MAX_SPLITS = 32
@@ -58,10 +70,32 @@ def attend_paged_keys(
 
 
 @triton.jit
+def _merge_partials(PartOut, PartLse, t, h, d, row_valid, mask, num_splits,
+                    stride_pot, stride_poh, stride_pos, stride_plt, stride_plh):
+    """Online log-sum-exp merge of all splits' partials of the tile's rows, read from L2 (.cg: other
+    SMs wrote them during this launch, and L1 is not coherent)."""
+    m_run = tl.full(row_valid.shape, -1.0e30, tl.float32)  # finite: an empty split (-inf) weighs 0, never NaN
+    l_run = tl.zeros(row_valid.shape, tl.float32)
+    acc = tl.zeros(mask.shape, tl.float32)
+    for s in range(num_splits):
+        lse = tl.load(PartLse + t * stride_plt + h * stride_plh + s, mask=row_valid, other=float("-inf"),
+                      cache_modifier=".cg")
+        part = tl.load(PartOut + t[:, None] * stride_pot + h[:, None] * stride_poh + s * stride_pos + d[None, :],
+                       mask=mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, lse)
+        alpha = tl.exp2(m_run - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        l_run = l_run * alpha + w
+        m_run = m_new
+    return acc / tl.where(l_run > 0, l_run, 1.0)[:, None]  # split 0 holds key 0: l_run > 0 on valid rows
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KCache, VCache, PageTable, TableRows, SeqLens,
     Out, PartOut, PartLse,
-    qk_scale, num_splits,
+    qk_scale, num_splits, SplitCounters,
     stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pt,
@@ -70,7 +104,8 @@ def _decode_split_kernel(
     stride_plt, stride_plh,
     ROWS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
@@ -119,6 +154,16 @@ def _decode_split_kernel(
                  out, mask=store_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(PartLse + t * stride_plt + h * stride_plh + split, lse, mask=row_valid)
+        if FUSED_MERGE:
+            counter = SplitCounters + b * tl.num_programs(1) + kv_head
+            tl.debug_barrier()  # every thread's partial stores come before the release below
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == num_splits - 1:  # the last split of this (request, KV head) to finish merges
+                merged = _merge_partials(PartOut, PartLse, t, h, d, row_valid, store_mask, num_splits,
+                                         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh)
+                tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+                         merged.to(Out.dtype.element_ty), mask=store_mask)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 @triton.jit
@@ -156,6 +201,11 @@ def num_kv_splits(batch_size: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     return max(1, min(by_len, by_occupancy, MAX_SPLITS))
 
 
+def alloc_split_counters(batch_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The fused merge's per-(request, KV head) tickets: zero, and left zero by every launch."""
+    return torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def alloc_partials(num_rows: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device):
     """fp32 scratch for the split partials: out [T, H, S, D] and lse [T, H, S]."""
     return (
@@ -178,12 +228,16 @@ def decode_attention(
     part_lse: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    split_counters: torch.Tensor | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """q [B * R, H, D]; caches [pages, page_size, Hkv, D] (contiguous); page_table [rows, pages_per_row]
     int32; table_rows, seq_lens [B] int32 (seq_lens count the R new rows). Returns [B * R, H, D].
 
     With num_splits > 1, part_out/part_lse (see `alloc_partials`, at least [B * R, H, num_splits])
-    may be passed in so that a CUDA graph owns them; otherwise they are allocated here."""
+    may be passed in so that a CUDA graph owns them; otherwise they are allocated here. So may
+    split_counters (`alloc_split_counters`, at least [B * Hkv], zero) for the fused merge (fused_merge
+    None: FREETOKEN_DECODE_FUSED_MERGE), which needs no second launch."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     batch_size = table_rows.shape[0]
@@ -200,6 +254,11 @@ def decode_attention(
     direct = num_splits == 1
     if not direct and part_out is None:
         part_out, part_lse = alloc_partials(num_rows, num_heads, num_splits, head_dim, q.device)
+    fused = not direct and (FUSED_MERGE if fused_merge is None else fused_merge)
+    if fused and split_counters is None:
+        split_counters = alloc_split_counters(batch_size, num_kv_heads, q.device)
+    if not fused:  # never touched: any int32 pointer will do
+        split_counters = table_rows
     if direct:  # the partial pointers are never touched: pass the output as a stand-in
         part_out, part_lse = out, out
         po_strides, pl_strides = (0, 0, 0), (0, 0)
@@ -213,7 +272,7 @@ def decode_attention(
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kf, vf, page_table, table_rows, seq_lens,
         out, part_out, part_lse,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, split_counters,
         q.stride(0), q.stride(1),
         kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         page_table.stride(0),
@@ -221,11 +280,11 @@ def decode_attention(
         *po_strides, *pl_strides,
         ROWS=rows_per_req, GROUP=group, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        PAGE_SIZE=page_size, DIRECT=direct,
+        PAGE_SIZE=page_size, DIRECT=direct, FUSED_MERGE=fused,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2, **pdl_launch(q),
     )
-    if not direct:
+    if not direct and not fused:
         _decode_merge_kernel[(num_rows, num_heads)](
             part_out, part_lse, out, num_splits,
             *po_strides, *pl_strides,
