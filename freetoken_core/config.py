@@ -107,6 +107,9 @@ class EngineConfig:
     moe_cache_slots: int | None = None  # slots per MoE layer
     moe_cache_gb: float | None = None  # GiB of slots over all MoE layers
     moe_cache_rate: float | None = None  # a share of all experts (FreeToken's option)
+    # offload: the device-side cache (slot tables + copy kernels, decodes in CUDA graphs): auto (on CUDA,
+    # after a startup self-check; else the host-driven slot pool without graphs) | on (CPU too) | off
+    moe_device_cache: str = "auto"
     moe_cpu_threads: int | None = None  # threads of the CPU expert executor (default: half the cores)
     tensor_parallel_size: int = 1  # ranks (one process each, rank 0 this one) sharding the model (distributed/)
     # torch.distributed backend of the ranks: auto (NCCL on CUDA, one GPU per rank; gloo on CPU) | nccl |
@@ -138,6 +141,8 @@ class EngineConfig:
 
         if self.moe_strategy not in MOE_STRATEGIES:
             raise ValueError(f"unknown moe_strategy {self.moe_strategy!r}; known: {', '.join(MOE_STRATEGIES)}")
+        if self.moe_device_cache not in ("auto", "on", "off"):
+            raise ValueError(f"moe_device_cache must be auto, on or off, got {self.moe_device_cache!r}")
         if sum(v is not None for v in (self.moe_cache_slots, self.moe_cache_gb, self.moe_cache_rate)) > 1:
             raise ValueError("set only one of moe_cache_slots, moe_cache_gb, moe_cache_rate")
         if self.tensor_parallel_size < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -109,7 +110,10 @@ class Engine:
         self.verify_graph_runner: GraphRunner | None = None
         if self.device.type == "cuda" and config.cuda_graph:
             if self.attn_backend.info.supports_cuda_graph:
-                self._capture_graphs()
+                from ..moe.device_cache import preserved_counters
+
+                with preserved_counters(self.moe_executors):  # capture's dummy rows are not served tokens
+                    self._capture_graphs()
             else:
                 log.warning("attention backend %s cannot capture CUDA graphs; decoding eagerly", self.attn_backend.info.name)
         log.info(
@@ -139,17 +143,20 @@ class Engine:
         return "resident" if fits else "offload"
 
     def _place_experts(self) -> list:
-        from ..moe.placement import place_experts
+        from ..moe.placement import graph_safe, place_experts
 
+        self.moe_place_s = 0.0
         if self.moe_strategy in ("resident", "none"):
             return []
+        t0 = time.perf_counter()
         executors, max_bs = place_experts(self.model, self.moe_strategy, self.config, self.device)
+        self.moe_place_s = time.perf_counter() - t0  # pinning the host banks + the device cache's self-check
         if max_bs < self.config.max_running_req:
             log.warning("expert pools of %s slots hold one step of at most %d requests (x %d rows x top-k): "
                         "max_running_req %d -> %d", executors[0].num_slots if hasattr(executors[0], "num_slots") else "?",
                         max_bs, self.config.decode_rows_per_req, self.config.max_running_req, max_bs)
             self.config.max_running_req = max_bs
-        if self.config.cuda_graph and self.device.type == "cuda":
+        if self.config.cuda_graph and self.device.type == "cuda" and not graph_safe(executors):
             log.warning("moe_strategy %s reads each layer's routing on the host: decoding without CUDA graphs",
                         self.moe_strategy)
             self.config.cuda_graph = False
@@ -157,9 +164,9 @@ class Engine:
 
     def moe_stats(self) -> dict:
         """Slot hit rate, bytes copied per token and misses per layer of the expert executors."""
-        from ..moe.stats import MoeStats
+        from ..moe.stats import MoeStats, layer_stats
 
-        return MoeStats([ex.stats for ex in self.moe_executors]).summary()
+        return MoeStats(layer_stats(self.moe_executors)).summary()
 
     def _linear_state_pool(self) -> LinearStatePool | None:
         specs = self.model.linear_state_specs() if hasattr(self.model, "linear_state_specs") else []

@@ -2,7 +2,9 @@
 experts' host weights and attach it to the layer (`StackedExperts.executor`).
 
 The weights were loaded on the host (`load_model(expert_device="cpu")`); on a CUDA machine they are
-pinned once here so that host -> device copies and the CPU executor read the same bank.
+pinned once here so that host -> device copies and the CPU executor read the same bank. `offload`
+picks its executor here (`offload_executor`): the device-side cache when its copy kernel passes the
+self-check on the first layer's bank, else the host-driven slot pool.
 """
 
 from __future__ import annotations
@@ -59,18 +61,50 @@ def place_experts(model: torch.nn.Module, strategy: str, config: Any, device: to
         if strategy == "offload":  # every routed expert of a step must be resident at once
             max_bs = clamp_batch(slots, config.decode_rows_per_req, shape.top_k, shape.num_experts, max_bs).max_running_req
     t0 = time.perf_counter()
-    executors = []
+    banks = []
     for block in blocks:
         ex = block.experts
         w13, w2 = ex.gate_up_proj.data, ex.down_proj.data
         if device.type == "cuda" and not w13.is_pinned():
             w13, w2 = w13.pin_memory(), w2.pin_memory()
             ex.gate_up_proj.data, ex.down_proj.data = w13, w2
-        executor = create_executor(strategy, w13=w13, w2=w2, slots=slots, device=device,
-                                   threads=config.moe_cpu_threads)
-        ex.executor = executor
+        banks.append((w13, w2))
+    built = time.perf_counter() - t0
+    name = offload_executor(config, device, *banks[0]) if strategy == "offload" else strategy
+    counters = None
+    if name == "offload_device":  # one [layers, 5] tensor: the stats read all layers at once
+        from ..kernels.expert_cache_ref import COUNTERS
+
+        counters = torch.zeros(len(blocks), len(COUNTERS), dtype=torch.int64, device=device)
+    executors = []
+    for i, (block, (w13, w2)) in enumerate(zip(blocks, banks)):
+        executor = create_executor(name, w13=w13, w2=w2, slots=slots, device=device,
+                                   threads=config.moe_cpu_threads, counters=None if counters is None else (counters, i))
+        block.experts.executor = executor
         executors.append(executor)
-    log.info("experts placed (%s): %d MoE layers x %d experts, %d device slots per layer, host banks %.2f GiB "
-             "built in %.1f s", strategy, shape.num_layers, shape.num_experts, slots,
-             expert_bytes(shape) / 2**30, time.perf_counter() - t0)
+    log.info("experts placed (%s, executor %s): %d MoE layers x %d experts, %d device slots per layer, host banks "
+             "%.2f GiB pinned in %.1f s", strategy, name, shape.num_layers, shape.num_experts, slots,
+             expert_bytes(shape) / 2**30, built)
     return executors, max_bs
+
+
+def offload_executor(config: Any, device: torch.device, w13: torch.Tensor, w2: torch.Tensor) -> str:
+    """`offload_device` (device tables + copy kernels, graph-safe) or `offload` (host-driven ExpertSlotPool,
+    no graphs), by `moe_device_cache`: auto (device on CUDA when kernel B passes its self-check on the first
+    layer's bank), on (device wherever, CPU too: the kernels under Triton's interpreter), off."""
+    mode = getattr(config, "moe_device_cache", "auto")
+    if mode == "off" or (mode == "auto" and device.type != "cuda"):
+        return "offload"
+    from . import device_cache
+
+    reason = device_cache.copy_self_check(w13, w2, device)
+    if reason is not None:
+        log.warning("device-side expert cache unavailable (%s): offloaded experts fall back to the host-driven "
+                    "slot pool, decoding without CUDA graphs", reason)
+        return "offload"
+    return "offload_device"
+
+
+def graph_safe(executors: list) -> bool:
+    """Whether every expert executor may run inside a CUDA graph (no host reads on the decode path)."""
+    return all(getattr(ex, "graph_safe", False) for ex in executors)

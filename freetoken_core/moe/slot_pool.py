@@ -9,7 +9,10 @@ pool holds (a long prefill) streams them through the pool in groups of S, each g
 its own routes. `HybridExperts` instead keeps a fixed set resident and computes misses on the host.
 
 The host side needs the step's distinct expert ids, so layers that use a pool read them back
-(one small copy per layer); such engines decode without CUDA graphs.
+(one small copy per layer); such engines decode without CUDA graphs. On CUDA `offload` normally runs
+the same policy on the device instead (`device_cache.py`, inside the graphs); this pool is what it
+falls back to when the startup self-check of the device copy fails, and what `moe_device_cache=off`
+(and the default on CPU) uses.
 """
 
 from __future__ import annotations
