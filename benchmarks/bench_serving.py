@@ -2,6 +2,10 @@
 
     python benchmarks/bench_serving.py                       # 64 requests, ~128 prompt / 128 output tokens, concurrency 16
     python benchmarks/bench_serving.py --requests 16 --output-tokens 32
+    python benchmarks/bench_serving.py --shape llama-3.2-1b --device cuda --dtype bfloat16 --concurrency 1 16 64
+
+--shape NAME writes a model directory with that architecture's config.json (random weights:
+--load-format dummy is implied) and SmolLM2's tokenizer files, so the real tokenizer serves it.
 
 Both paths use the same engine settings (max_running_req = concurrency) and ignore_eos, so both
 generate exactly requests x output_tokens tokens. Prints output tok/s for each and the ratio
@@ -27,6 +31,35 @@ TEXT = (
     "glass, and writing the weather into logbooks that sailors never read. Storms broke windows; supply boats "
     "failed to come; children grew up knowing the tides better than the alphabet. "
 ) * 8
+
+
+# Architectures by name: config.json fields over SmolLM2-135M's (Llama, vocab 49152, tied embeddings)
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": {},
+    "llama-3.2-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+                     "num_key_value_heads": 8, "intermediate_size": 8192, "head_dim": 64, "vocab_size": 49152,
+                     "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
+}
+
+
+def shape_model_dir(shape: str, tokenizer_dir: str) -> str:
+    """A model directory: config.json of `shape` + the tokenizer files of tokenizer_dir (no weights)."""
+    import json
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    src = Path(tokenizer_dir)
+    dest = Path(tempfile.gettempdir()) / f"freetoken-shape-{shape}"
+    dest.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, dest / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(SHAPES[shape])
+    cfg["_model_name_or_path"] = f"random weights, {shape} shape"
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    return str(dest)
 
 
 def make_prompts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
@@ -131,6 +164,8 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16], help="several: one table row each")
     p.add_argument("--load-format", default=None, help="dummy: random weights of config.json's shape")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="random weights of this architecture with SmolLM2's tokenizer (implies --load-format dummy)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--num-pages", type=int, default=None)
@@ -142,6 +177,10 @@ def main() -> int:
     from freetoken_core.tokenizer.tokenize import load_tokenizer
 
     model_path = args.model_path or default_model_path()
+    if args.shape:
+        model_path = shape_model_dir(args.shape, model_path)
+        args.load_format = "dummy"
+        print(f"model: {model_path} ({args.shape}, random weights)", flush=True)
     prompts = make_prompts(load_tokenizer(model_path), args.requests, args.prompt_tokens)
     engine_kw = {"dtype": args.dtype, "device": args.device}
     if args.num_pages:

@@ -2,6 +2,12 @@
 
     python benchmarks/pa_summary.py inputs DIR OUT_TOKENS      # DIR/ensemble.json, DIR/freetoken.json
     python benchmarks/pa_summary.py table DIR OUT_TOKENS 1 16 64 128
+    python benchmarks/pa_summary.py sse localhost:8000 CONCURRENCY SECONDS OUT_TOKENS [PROCESSES]
+
+`sse` is a small load generator for Triton's HTTP `generate_stream` (SSE) on the ensemble: CONCURRENCY
+streams spread over PROCESSES client processes (default: one per 8 streams, so the client is not the
+limit; it reports its own CPU use so that you can tell), each stream sending its next request as soon as
+the last one ended. Prints requests/s, SSE events (responses)/s, tokens/s, TTFT and inter-event p50/p99.
 
 perf_analyzer's --verbose-csv row has "Inferences/Second" (requests/s), "Response Throughput"
 (responses/s, decoupled models) and latency columns in microseconds; tokens per response =
@@ -60,7 +66,88 @@ def table(work: Path, out_tokens: int, concurrencies: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _sse_worker(args: tuple[str, int, float, int, int]) -> dict:
+    """One client process: `streams` threads, each looping generate_stream requests until the deadline."""
+    import http.client
+    import threading
+    import time
+
+    url, streams, seconds, out_tokens, seed = args
+    host, port = url.rsplit(":", 1)
+    stats = {"requests": 0, "events": 0, "tokens": 0, "ttft": [], "gaps": [], "errors": 0}
+    lock = threading.Lock()
+    t_end = time.perf_counter() + seconds
+    cpu0 = time.process_time()
+
+    def run(i: int) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        n = 0
+        while time.perf_counter() < t_end:
+            body = json.dumps({"text_input": PROMPTS[(seed + i + n) % len(PROMPTS)], "max_tokens": out_tokens,
+                               "stream": True, "ignore_eos": True})
+            n += 1
+            t0 = time.perf_counter()
+            try:
+                conn.request("POST", "/v2/models/ensemble/generate_stream", body,
+                             {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                last, events, tokens, ttft, gaps = None, 0, 0, None, []
+                for line in resp:
+                    if not line.startswith(b"data:"):
+                        continue
+                    now = time.perf_counter()
+                    if ttft is None:
+                        ttft = now - t0
+                    elif last is not None:
+                        gaps.append(now - last)
+                    last = now
+                    events += 1
+                    tokens += len(json.loads(line[5:]).get("next_tokens") or [])
+                resp.read()
+            except Exception:  # noqa: BLE001
+                with lock:
+                    stats["errors"] += 1
+                conn.close()
+                conn = http.client.HTTPConnection(host, int(port), timeout=120)
+                continue
+            with lock:
+                if time.perf_counter() <= t_end:  # count only requests that ended inside the window
+                    stats["requests"] += 1
+                    stats["events"] += events
+                    stats["tokens"] += tokens
+                    stats["ttft"].append(ttft or 0.0)
+                    stats["gaps"].extend(gaps)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 150)
+    stats["cpu_s"] = time.process_time() - cpu0
+    return stats
+
+
+def sse_load(url: str, concurrency: int, seconds: float, out_tokens: int, processes: int = 0) -> str:
+    from multiprocessing import Pool
+
+    procs = processes or max(1, (concurrency + 7) // 8)
+    per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    with Pool(procs) as pool:
+        parts = pool.map(_sse_worker, [(url, n, seconds, out_tokens, i * 101) for i, n in enumerate(per) if n])
+    tot = {k: sum(p[k] for p in parts) for k in ("requests", "events", "tokens", "errors", "cpu_s")}
+    ttft = sorted(x for p in parts for x in p["ttft"])
+    gaps = sorted(x for p in parts for x in p["gaps"])
+    pct = lambda xs, q: 1000 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")  # noqa: E731
+    return (f"| sse | {concurrency} | {tot['requests'] / seconds:.1f} | {tot['events'] / seconds:.0f} | "
+            f"{tot['tokens'] / max(1, tot['events']):.2f} | {tot['tokens'] / seconds:.0f} | "
+            f"ttft {pct(ttft, .5):.1f}/{pct(ttft, .99):.1f} | itl {pct(gaps, .5):.2f}/{pct(gaps, .99):.2f} | "
+            f"errors {tot['errors']}, client cpu {tot['cpu_s'] / seconds:.2f} cores over {len(parts)} procs |")
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "sse":
+        print(sse_load(argv[1], int(argv[2]), float(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else 0))
+        return 0
     cmd, work, out_tokens = argv[0], Path(argv[1]), int(argv[2])
     if cmd == "inputs":
         write_inputs(work, out_tokens)

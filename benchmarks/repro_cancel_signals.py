@@ -215,6 +215,8 @@ class Case:
 CASES = [
     Case("grpc stream, direct", "gen", "grpc", True),
     Case("grpc stream, ensemble", "ens_nd", "grpc", True),
+    # the serving detokenizer is decoupled (issue 13: it acks after its send): it must see the cancel too
+    Case("grpc stream, ensemble, decoupled detok", "ens_d", "grpc", True),
     Case("grpc non-stream, direct", "gen", "grpc", False),
     Case("grpc non-stream, ensemble", "ens_nd", "grpc", False),
     Case("grpc non-stream, ensemble + probes", "ens_d", "grpc", False, probe=True),

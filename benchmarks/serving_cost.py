@@ -160,8 +160,8 @@ def batched_detokenizer(config: str, max_batch: int) -> str:
                   r"\1 allow_ragged_batch: true }", config.split("output [")[0]) + "output [" + config.split("output [")[1]
 
 
-def write_repo(dest: Path, model_path: str, detok_batch: int = 0) -> None:
-    from freetoken_core.serving.launcher import set_parameter, source_repository
+def write_repo(dest: Path, model_path: str, detok_batch: int = 0, detok_instances: int = 1) -> None:
+    from freetoken_core.serving.launcher import set_instance_count, set_parameter, source_repository
 
     src = source_repository()
     outs = src.joinpath("freetoken", "config.pbtxt").read_text()
@@ -174,6 +174,7 @@ def write_repo(dest: Path, model_path: str, detok_batch: int = 0) -> None:
     (det / "config.pbtxt").write_text(set_parameter((det / "config.pbtxt").read_text(), "model_path", model_path))
     if detok_batch:
         (det / "config.pbtxt").write_text(batched_detokenizer((det / "config.pbtxt").read_text(), detok_batch))
+    (det / "config.pbtxt").write_text(set_instance_count((det / "config.pbtxt").read_text(), detok_instances))
     os.rename(det / "1" / "model.py", det / "1" / "real_model.py")
     (det / "1" / "model.py").write_text(DETOK_WRAPPER)
     ens = src.joinpath("ensemble", "config.pbtxt").read_text()
@@ -273,6 +274,8 @@ def main() -> int:
     p.add_argument("--responses", type=int, default=2000)
     p.add_argument("--formats", nargs="+", default=["full", "slim"])
     p.add_argument("--detok-batch", type=int, default=0, help="> 0: dynamic batcher in front of the detokenizer")
+    p.add_argument("--detok-instances", type=int, default=1, help="detokenizer instance count")
+    p.add_argument("--streams", type=int, default=8, help="concurrent streams of the second ensemble case")
     p.add_argument("--model-path", default=None, help="tokenizer for the detokenizer (default SmolLM2)")
     args = p.parse_args()
 
@@ -283,7 +286,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="freetoken-cost-"))
     out = work / "out"
     out.mkdir()
-    write_repo(work / "repo", model_path, args.detok_batch)
+    write_repo(work / "repo", model_path, args.detok_batch, args.detok_instances)
     print("in-process:", detok_inprocess(model_path, 5000), flush=True)
     handle = spawn_tritonserver(work / "repo", log_path=work / "server.log", env={"FREETOKEN_COST_OUT": str(out)})
     try:
@@ -297,7 +300,7 @@ def main() -> int:
             run_case(handle.grpc_url, "sendcost", fmt, n, True)
             busy = read_json(out / f"sendcost-{fmt}-1.json")
             ens = run_case(handle.grpc_url, "sendcost_ens", fmt, n, False)
-            ens8 = run_case(handle.grpc_url, "sendcost_ens", fmt, n // 8, False, streams=8)
+            ens8 = run_case(handle.grpc_url, "sendcost_ens", fmt, n // args.streams, False, streams=args.streams)
             det = json.loads((out / "detok.json").read_text()) if (out / "detok.json").exists() else {}
             rows.append((fmt, stub, busy, rps, ens, ens8, det))
     except BaseException:
@@ -307,7 +310,7 @@ def main() -> int:
         handle.stop()
     print(f"\n{args.responses} responses per case; per-response times inside the stub (us), client rates (responses/s)")
     print("| format | tensors | numpy | pb | send | wall | busy thread keeps | freetoken alone resp/s | ensemble resp/s "
-          "(1 stream) | ensemble resp/s (8 streams) | detok executes/requests | detok exec us |")
+          f"(1 stream) | ensemble resp/s ({args.streams} streams) | detok executes/requests | detok exec us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fmt, s, b, rps, ens, ens8, det in rows:
         print(f"| {fmt} | {s['tensors']} | {s['numpy_us']:.1f} | {s['pb_us']:.1f} | {s['send_us']:.1f} | "

@@ -13,9 +13,21 @@ Why no one else can cancel (issue 14, defect 2):
   the steps of that one request; a token the engine did not hand out is ignored;
 - the socket is a file in a fresh 0700 directory: only the server's user can reach it (an
   abstract-namespace socket has no permissions at all);
+- the directory is named after a random engine id (`freetoken-cancel-<id:08x>`), so that the
+  detokenizer can find the engine's second socket, `acks.sock`, from the id alone (below); the name
+  grants nothing: the directory is created 0700 by the engine, and an existing one is never reused;
 - the key never reaches a client: the engine adds it only to requests whose `return_cancel_key`
   input is set, which the ensemble's tokenizer step does and a direct client does not, and the
   detokenizer has no cancel output. A client that sets it anyway sees the key of its own request.
+
+Delivery acks (issue 13) use the same directory: every streamed ensemble response carries
+(engine id, request uid, response seq) in its `meta` tensor; the detokenizer, after it has sent a
+response on (decoupled: `send()` returns once the ensemble took it), sends the engine one datagram
+per execute listing what it delivered (`AckSender`). The engine lets a request have only a bounded
+number of responses in the detokenizer's queue (serving/engine_loop.py): that is its flow control
+(tokens merge while the detokenizer is behind, and only then) and, with several detokenizer
+instances, what keeps a stream's responses in order. A forged ack can only make the engine send a
+response sooner; acks are ints in a fixed format, never parsed as anything else.
 """
 
 from __future__ import annotations
@@ -28,22 +40,53 @@ import socket
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "engine.sock"
+ACK_SOCKET_NAME = "acks.sock"
 DIR_PREFIX = "freetoken-cancel-"
 KEY_SEP = "#"  # the token is hex, so the last '#' splits "socket path#token"
+ACK_DTYPE = np.dtype("<i4")  # an ack datagram: int32 pairs (uid, seq)
+
+
+def _channel_dir(engine_id: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{engine_id:08x}"
+
+
+def ack_socket_path(engine_id: int) -> Path:
+    """Where the engine with this id receives delivery acks (the detokenizer's side computes it)."""
+    return _channel_dir(engine_id) / ACK_SOCKET_NAME
+
+
+def _make_channel_dir() -> tuple[int, Path]:
+    for _ in range(100):
+        engine_id = secrets.randbelow(2**31 - 1) + 1
+        d = _channel_dir(engine_id)
+        try:
+            os.mkdir(d, 0o700)  # fails if it exists: never reuse (or trust) a directory someone else made
+        except FileExistsError:
+            continue
+        os.chmod(d, 0o700)  # whatever the umask
+        return engine_id, d
+    raise RuntimeError(f"could not create a fresh {DIR_PREFIX}* directory in {tempfile.gettempdir()}")
 
 
 class CancelChannel:
-    """Engine side: a non-blocking datagram socket that receives cancel tokens it handed out."""
+    """Engine side: a non-blocking datagram socket that receives cancel tokens it handed out, and
+    one that receives delivery acks (`poll_acks`)."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))  # mode 0700: the server's user only
+        self.engine_id, self.dir = _make_channel_dir()  # mode 0700: the server's user only
         self.path = self.dir / SOCKET_NAME
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(self.path))
         self.sock.setblocking(False)
+        self.ack_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.ack_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        self.ack_sock.bind(str(self.dir / ACK_SOCKET_NAME))
+        self.ack_sock.setblocking(False)
         self._uids: dict[str, int] = {}  # token -> request uid, while the request runs
 
     def register(self, uid: int) -> str:
@@ -69,9 +112,52 @@ class CancelChannel:
             else:
                 uids.append(uid)
 
+    def poll_acks(self) -> list[np.ndarray]:
+        """Ack datagrams received since the last poll, each an int32 array [uid0, seq0, uid1, seq1, ...]."""
+        out = []
+        while True:
+            try:
+                data = self.ack_sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError:  # closed
+                return out
+            if len(data) % 8 == 0:
+                out.append(np.frombuffer(data, dtype=ACK_DTYPE))
+
     def close(self) -> None:
         self.sock.close()
+        self.ack_sock.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class AckSender:
+    """Detokenizer side: collect (engine id, uid, seq) of the responses sent on in one execute, then
+    tell each engine in one datagram (`flush`). Never raises: a lost ack only delays that stream
+    until the engine's ack timeout."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, list[int]] = {}
+        self._sock: socket.socket | None = None
+
+    def add(self, engine_id: int, uid: int, seq: int) -> None:
+        if engine_id > 0:
+            self._pending.setdefault(engine_id, []).extend((uid, seq))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        if self._sock is None:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.settimeout(1.0)  # the engine drains it continuously; never block an execute long
+        for engine_id, values in pending.items():
+            data = np.asarray(values, dtype=ACK_DTYPE).tobytes()
+            try:
+                for i in range(0, len(data), 1 << 15):  # datagrams of at most 4096 acks
+                    self._sock.sendto(data[i:i + (1 << 15)], os.fspath(ack_socket_path(engine_id)))
+            except OSError as e:  # engine gone (request finished / model unloaded), or its queue full
+                log.debug("ack to engine %08x not delivered: %s", engine_id, e)
 
 
 def notify_cancel(key: str) -> bool:

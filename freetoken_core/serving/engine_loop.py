@@ -3,7 +3,17 @@
 Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
 thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
 round trip to the server), runs `Scheduler.step()` and turns each DetokenizeMsg into a response.
-Responses go through a queue to the sender thread, so a slow `send()` never stalls a step.
+Responses go through a queue to the sender thread, so a slow `send()` never stalls a step: the
+engine thread hands over each step's messages in one queue item (the least Python per response on the
+thread the engine's speed depends on), and the sender builds and sends them.
+
+Flow control (issue 13): a streamed ensemble response is acked by the detokenizer once it went on
+(serving/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
+tokens wait meanwhile and go out merged in one response as soon as the ack comes. So while the
+detokenizer keeps up every step's tokens get their own response (stream_interval = 1), and only while
+it is behind (a time-based rule: the previous response is still queued) do steps merge; the first
+token never waits. With one in flight per stream, a stream's responses also stay in order across
+several detokenizer instances (each acks only after its send returned).
 
 Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
 client cancel. The Triton objects stay behind `Transport` so this file runs in unit tests too.
@@ -12,7 +22,9 @@ client cancel. The Triton objects stay behind `Transport` so this file runs in u
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import select
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,6 +66,11 @@ class LoopOptions:
     # > 0: probe each non-streaming ensemble request this often (response.build_probe), so that a
     # gRPC cancel reaches the engine before the request ends
     nonstream_probe_interval_s: float = 0.0
+    # streamed ensemble responses a request may have sent but not yet acked by the detokenizer
+    # (0 = no flow control). 1 keeps each stream in order across several detokenizer instances.
+    max_inflight: int = 1
+    # an ack this late counts as lost (the stream goes on); if no ack ever came, flow control turns off
+    ack_timeout_s: float = 1.0
 
 
 @dataclass
@@ -68,16 +85,19 @@ class ActiveRequest:
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[float] = field(default_factory=list)
-    # streaming requests: messages held back by stream_interval, and whether anything went out yet
-    stream_held: list[DetokenizeMsg] = field(default_factory=list)
+    # streaming requests: whether anything went out yet (sender thread)
     streamed: bool = False
     cancelled: bool = False
     cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.return_cancel_key)
     last_probe: float = 0.0
     key_sent_at: float | None = None  # when a response last carried cancel_key (sender thread)
+    # flow control (sender thread): seq of the next acked response; seq -> when it was sent
+    seq: int = 0
+    unacked: dict[int, float] = field(default_factory=dict)
 
     def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
-                context: list[int], prompt_text: str, now: float) -> dict:
+                context: list[int], prompt_text: str, now: float,
+                ack: tuple[int, int, int] | None = None) -> dict:
         """This response's tensors: the slim ensemble shape for the ensemble's requests (only what the
         detokenizer needs for this one response), the full one for direct clients, whose outputs stay
         as config.pbtxt lists them. The cancel key rides on the first response and then once per
@@ -89,7 +109,10 @@ class ActiveRequest:
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs)
+                                      self.parsed.omit_outputs, ack)
+
+
+ACK_UID_MASK = 0x7FFFFFFF  # uids travel in an int32 (response meta)
 
 
 class EngineLoop:
@@ -104,11 +127,20 @@ class EngineLoop:
         self.metrics = metrics or EngineMetrics()
         self._inbox: queue.SimpleQueue[tuple[Any, ParsedRequest, float]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._outbox: queue.SimpleQueue[tuple[Any, dict | None, str | None, bool] | None] = queue.SimpleQueue()
+        # one item per engine step (a list of sends), or None to stop; see _sender_main for the shapes
+        self._outbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
+        # wakes the sender (select) when the outbox gets an item; acks wake it on their own socket
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._active: dict[int, ActiveRequest] = {}
         # requests whose response could not be sent (client gone): the engine thread aborts them
         self._undeliverable: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancel_channel = CancelChannel()  # cancels that reach the detokenizer (see cancel.py)
+        # sender thread only: streams that wait for acks (masked uid -> request); whether acks come at all
+        self._acked_streams: dict[int, ActiveRequest] = {}
+        self._acks_seen = False
+        self._flow_control = self.opt.max_inflight > 0
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)
         self._anchors = scheduler.tokenizer.anchors
@@ -127,17 +159,29 @@ class EngineLoop:
     def reject(self, handle: Any, error: str) -> None:
         """A request that failed validation: one error response carrying the FINAL flag."""
         self.metrics.count_finish("error")
-        self._outbox.put((handle, None, error, True))
+        self._post([(handle, None, error, True, None)])
+
+    def _post(self, items: list[tuple] | None) -> None:
+        self._outbox.put(items)
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # the pipe is full: the sender is awake anyway (or closed)
+            pass
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
         self._wake.set()
         if self._engine_thread.is_alive():
             self._engine_thread.join(timeout)
-        self._outbox.put(None)
+        self._post(None)
         if self._sender_thread.is_alive():
             self._sender_thread.join(timeout)
         self._cancel_channel.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         engine = getattr(self.sched, "engine", None)
         if hasattr(engine, "close"):  # tensor-parallel workers stop with the model (finalize)
             engine.close()
@@ -159,8 +203,13 @@ class EngineLoop:
                     msgs = self.sched.step()
                 except Exception as e:  # an engine failure must not hang clients
                     msgs = self._on_step_failure(e)
-                for msg in msgs:
-                    self._on_message(msg)
+                if msgs:
+                    out: list[tuple] = []
+                    now = time.perf_counter()
+                    for msg in msgs:
+                        self._on_message(msg, out, now)
+                    if out:
+                        self._post(out)
             else:
                 self._wake.wait(self.opt.idle_wait_s)
                 self._wake.clear()
@@ -245,18 +294,23 @@ class EngineLoop:
                 self.sched.abort(uid)
 
     def _send_probes(self, now: float) -> None:
+        out = []
         for st in self._active.values():
             if st.parsed.stream or not st.cancel_key or st.cancelled:
                 continue  # streams reach the detokenizer anyway; direct clients would see a probe
             if now - st.last_probe >= self.opt.nonstream_probe_interval_s:
                 st.last_probe = now
-                self._outbox.put((st.handle, build_probe(st.cancel_key), None, False))
+                out.append((st.handle, build_probe(st.cancel_key), None, False, None))
+        if out:
+            self._post(out)
 
-    def _on_message(self, msg: DetokenizeMsg) -> None:
+    def _on_message(self, msg: DetokenizeMsg, out: list[tuple], now: float) -> None:
+        """One step's message for one request -> `out`, the step's list for the sender: (st, msg) for a
+        streamed message (the sender merges, holds and builds those), else (handle, outputs, error,
+        final, st) for a response as is."""
         st = self._active.get(msg.uid)
         if st is None:
             return
-        now = time.perf_counter()
         if msg.next_tokens and st.t_first is None:
             st.t_first = now
             self.metrics.observe_ttft(now - st.t_arrival)
@@ -269,22 +323,16 @@ class EngineLoop:
             if st.t_first is not None and n_out > 1:
                 self.metrics.observe_tpot((now - st.t_first) / (n_out - 1))
         if st.cancelled and msg.finished:
-            self._outbox.put((st.handle, None, None, True))  # the FINAL flag alone
+            out.append((st.handle, None, None, True, st))  # the FINAL flag alone
             return
         if msg.finish_reason == "error" or msg.error:
-            self._outbox.put((st.handle, None, msg.error or "the engine failed this request", True))
+            out.append((st.handle, None, msg.error or "the engine failed this request", True, st))
             return
         if msg.finish_reason == "abort":
-            self._outbox.put((st.handle, None, "the request was aborted", True))
+            out.append((st.handle, None, "the request was aborted", True, st))
             return
         if st.parsed.stream:
-            # built by the sender thread, which merges what piles up for a request into one response
-            st.stream_held.append(msg)
-            held = sum(len(m.next_tokens) for m in st.stream_held)
-            if msg.finished or not st.streamed or held >= self.opt.stream_interval:
-                self._outbox.put((st, st.stream_held, None, msg.finished))
-                st.stream_held = []
-                st.streamed = True
+            out.append((st, msg))  # built by the sender thread, which merges what waits for a request
             return
         st.output_ids.extend(msg.next_tokens)
         st.held_tokens.extend(msg.next_tokens)
@@ -293,7 +341,7 @@ class EngineLoop:
         if msg.finished:
             outputs = st.outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
                                  [], st.parsed.prompt_text, now)
-            self._outbox.put((st.handle, outputs, None, True))
+            out.append((st.handle, outputs, None, True, st))
 
     def _fail_all(self, error: str) -> None:
         for uid, st in list(self._active.items()):
@@ -303,7 +351,7 @@ class EngineLoop:
                 log.exception("abort(%d) failed", uid)
             self.metrics.count_finish("error")
             self._cancel_channel.unregister(st.cancel_key)
-            self._outbox.put((st.handle, None, error, True))
+            self._post([(st.handle, None, error, True, st)])
         self._active.clear()
         # abort() queues final messages; drain them so the scheduler holds nothing for gone requests
         try:
@@ -320,42 +368,110 @@ class EngineLoop:
 
     # --- sender thread --------------------------------------------------------------------------
     def _sender_main(self) -> None:
-        """Send responses in order per request. Streaming messages that queued up while a send was
-        in flight are merged into one response (all their next_tokens), so a slow transport costs
-        fewer, larger responses instead of a growing backlog: one per step when it keeps up."""
-        while True:
-            items = [self._outbox.get()]
+        """Send responses in order per request. Streamed messages of a request that wait (the transport
+        was busy, stream_interval, or the flow control's ack) go out merged into one response (all
+        their next_tokens). Outbox items are lists of (st, msg) (streamed) and (handle, outputs, error,
+        final, st | None) (as is; st's waiting messages go first)."""
+        waiting: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]] = {}  # uid -> messages (in order)
+        stopping = False
+        while not stopping:
+            if self._outbox.empty():
+                timeout = None if not waiting else self.opt.ack_timeout_s / 4
+                fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if self._acked_streams else [])
+                try:
+                    select.select(fds, [], [], timeout)
+                except (OSError, ValueError):
+                    pass
+            try:
+                os.read(self._wake_r, 1 << 16)
+            except (BlockingIOError, OSError):
+                pass
             while True:
                 try:
-                    items.append(self._outbox.get_nowait())
+                    batch = self._outbox.get_nowait()
                 except queue.Empty:
                     break
-            pending: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]] = {}
-            for item in items:
-                if item is None:
-                    self._flush_streams(pending)
-                    return
-                target, payload, error, final = item
-                if isinstance(target, ActiveRequest):  # streaming messages of one request
-                    pending.setdefault(target.uid, (target, []))[1].extend(payload)
+                if batch is None:
+                    stopping = True
                     continue
-                for uid, (st, _) in list(pending.items()):  # keep order: this request's tokens first
-                    if st.handle is target:
-                        self._flush_streams({uid: pending.pop(uid)})
-                self._send(target, payload, error, final)
-            self._flush_streams(pending)
+                for item in batch:
+                    if len(item) == 2:
+                        st, msg = item
+                        entry = waiting.get(st.uid)
+                        if entry is None:
+                            waiting[st.uid] = (st, [msg])
+                        else:
+                            entry[1].append(msg)
+                        continue
+                    handle, outputs, error, final, st = item
+                    if st is not None:
+                        entry = waiting.pop(st.uid, None)
+                        if entry is not None:  # keep order: this request's tokens first
+                            self._send_stream(*entry)
+                        if final:
+                            self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
+                    self._send(handle, outputs, error, final)
+            if self._acked_streams:
+                self._drain_acks()
+            now = time.perf_counter()
+            for uid in list(waiting):
+                st, msgs = waiting[uid]
+                if stopping or self._may_send(st, msgs, now):
+                    del waiting[uid]
+                    self._send_stream(st, msgs)
 
-    def _flush_streams(self, pending: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]]) -> None:
-        for st, msgs in pending.values():
-            last = msgs[-1]
+    def _may_send(self, st: ActiveRequest, msgs: list[DetokenizeMsg], now: float) -> bool:
+        finished = msgs[-1].finished
+        if st.streamed and not finished and self.opt.stream_interval > 1:
+            if sum(len(m.next_tokens) for m in msgs) < self.opt.stream_interval:
+                return False
+        if not st.unacked or len(st.unacked) < self.opt.max_inflight:
+            return True
+        # acks lost (or a detokenizer that sends none): such a response counts as delivered
+        late = [seq for seq, t in st.unacked.items() if now - t >= self.opt.ack_timeout_s]
+        for seq in late:
+            del st.unacked[seq]
+        if late and not self._acks_seen and self._flow_control:
+            log.warning("the detokenizer acks no responses (an older model.py?): streaming without flow "
+                        "control, so responses of one stream may overtake each other across instances")
+            self._flow_control = False
+        return len(st.unacked) < self.opt.max_inflight
+
+    def _drain_acks(self) -> None:
+        streams = self._acked_streams
+        for arr in self._cancel_channel.poll_acks():
+            self._acks_seen = True
+            acks = arr.tolist()
+            for i in range(0, len(acks) - 1, 2):
+                st = streams.get(acks[i])
+                if st is not None:
+                    st.unacked.pop(acks[i + 1], None)
+
+    def _send_stream(self, st: ActiveRequest, msgs: list[DetokenizeMsg]) -> None:
+        last = msgs[-1]
+        if len(msgs) == 1:
+            tokens, logprobs = last.next_tokens, last.logprobs or None
+        else:
             tokens = [t for m in msgs for t in m.next_tokens]
             logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
-            context = st.output_ids[st.window.start():]
-            outputs = st.outputs(last, tokens, logprobs, context, "", time.perf_counter())
-            st.output_ids.extend(tokens)
-            st.window.push(tokens)
-            if tokens or last.finished:
-                self._send(st.handle, outputs, None, last.finished)
+        if not tokens and not last.finished:
+            return
+        now = time.perf_counter()
+        ack = None
+        if st.cancel_key and st.parsed.detok_acks and not last.finished and self._flow_control:
+            uid = st.uid & ACK_UID_MASK
+            ack = (self._cancel_channel.engine_id, uid, st.seq)
+            st.unacked[st.seq] = now
+            st.seq += 1
+            self._acked_streams[uid] = st
+        context = st.output_ids[st.window.start():]
+        outputs = st.outputs(last, tokens, logprobs, context, "", now, ack)
+        st.output_ids.extend(tokens)
+        st.window.push(tokens)
+        st.streamed = True
+        if last.finished:
+            self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
+        self._send(st.handle, outputs, None, last.finished)
 
     def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None:
         try:

@@ -30,7 +30,7 @@ INPUT_NAMES = (
     "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "random_seed",
     "min_tokens", "min_length", "ignore_eos", "beam_width", "stop_words", "stop_token_ids", "bad_words",
     "exclude_input_in_output", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
-    "return_finish_reason", "sampling_parameters", "text_input", "return_cancel_key",
+    "return_finish_reason", "sampling_parameters", "text_input", "return_cancel_key", "detok_acks",
 )
 
 
@@ -48,6 +48,24 @@ def check_detokenizer_decoupled(model_dir: str) -> None:
             f"nonstream_cancel_probe_ms > 0 needs a decoupled detokenizer, but {cfg} is not: add "
             "`model_transaction_policy { decoupled: true }` there (`freetoken-core serve` does) or set "
             "nonstream_cancel_probe_ms to 0")
+
+
+def detokenizer_instances(model_dir: str) -> int:
+    """The instance count in the ensemble's detokenizer config next to this model (0 = unknown)."""
+    cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
+    if not model_dir or not cfg.is_file():
+        return 0
+    m = re.search(r"instance_group\s*\[\s*\{[^}]*?count\s*:\s*(\d+)", re.sub(r"#[^\n]*", "", cfg.read_text()))
+    return int(m.group(1)) if m else 1
+
+
+def max_inflight(option: float, model_dir: str) -> int:
+    """detok_max_inflight: as set, or (0 = auto) 4 for a single detokenizer instance, else 1."""
+    if option != int(option) or option < 0:
+        raise ValueError(f"serving parameter detok_max_inflight must be a whole number >= 0, got {option:g}")
+    if option:
+        return int(option)
+    return 4 if detokenizer_instances(model_dir) == 1 else 1
 
 
 class TritonTransport:
@@ -99,6 +117,7 @@ class FreetokenModel:
                 metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
+                max_inflight=max_inflight(self.options["detok_max_inflight"], args.get("model_repository", "")),
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,

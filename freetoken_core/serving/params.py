@@ -37,6 +37,11 @@ SERVING_DEFAULTS: dict[str, str] = {
     # schedules after a cancel). Needs a decoupled detokenizer (`serve` renders it so), which costs
     # every streamed response one more IPC round trip; 0 = off: the cancel is noticed at the end.
     "nonstream_cancel_probe_ms": "0",
+    # Flow control of streamed ensemble responses (serving/engine_loop.py): how many a request may have
+    # in the detokenizer's queue (sent, not yet acked). 0 = auto: 1 when the detokenizer runs several
+    # instances (what keeps a stream in order across them), 4 with one instance (one queue: in order
+    # anyway). While a stream is at the limit its tokens wait and merge into its next response.
+    "detok_max_inflight": "0",
 }
 
 

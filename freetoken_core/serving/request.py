@@ -45,6 +45,10 @@ class ParsedRequest:
     # set by the ensemble's tokenizer step: responses carry a cancel key for the detokenizer
     # (serving/cancel.py); a direct client leaves it unset and never sees a cancel field
     return_cancel_key: bool = False
+    # set by the ensemble's tokenizer step too: its detokenizer acks each streamed response, and the
+    # engine paces the stream by them (flow control); a client emulating the tokenizer without a
+    # detokenizer that acks leaves it unset and is not paced
+    detok_acks: bool = False
 
 
 # return_<output> inputs: absent or true = send the output (the default), false = leave it out
@@ -216,6 +220,7 @@ def parse_request(
         detok_params=detok_params_json(params),
         omit_outputs=omit,
         return_cancel_key=bool(_scalar(tensors.get("return_cancel_key")) or False),
+        detok_acks=bool(_scalar(tensors.get("detok_acks")) or False),
     )
 
 

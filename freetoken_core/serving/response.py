@@ -65,19 +65,25 @@ def build_ensemble_outputs(
     detok_params: str,
     cancel_key: str = "",
     omit: frozenset[str] = frozenset(),
+    ack: tuple[int, int, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
     response and nothing else (issue 13: each tensor costs the stub, the IPC and the detokenizer's
     input reads). `meta` = [flags, num_input_tokens, num_output_tokens] replaces four scalar tensors;
     strings and empty arrays that equal the detokenizer's defaults are left out (its inputs are
     optional); `cancel_key` only when the caller says it is due (EngineLoop: first response, then
-    every cancel_check interval); spec_* and stop_reason are not ensemble outputs, so never sent."""
+    every cancel_check interval); spec_* and stop_reason are not ensemble outputs, so never sent.
+    `ack` = (engine id, uid, seq): the detokenizer acks this response once it sent it on (meta[3:6],
+    serving/cancel.py AckSender; the engine's flow control and per-stream order rest on it)."""
     flags = META_FINISHED if msg.finished else 0
     for name in omit:
         flags |= META_OMIT.get(name, 0)
+    meta = [flags, msg.num_prompt_tokens, msg.num_output_tokens]
+    if ack is not None:
+        meta += ack
     out = {
         "next_tokens": np.asarray(next_tokens, dtype=np.int32),
-        "meta": np.array([flags, msg.num_prompt_tokens, msg.num_output_tokens], dtype=np.int32),
+        "meta": np.array(meta, dtype=np.int32),
     }
     if context_tokens:
         out["context_tokens"] = np.asarray(context_tokens, dtype=np.int32)

@@ -58,6 +58,8 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
         # tells the engine that this request comes through the ensemble, whose detokenizer forwards
         # cancels (serving/cancel.py); clients calling `freetoken` directly never get a cancel key
         "return_cancel_key": np.array([True]),
+        # and that its detokenizer acks each streamed response (the engine's flow control)
+        "detok_acks": np.array([True]),
     }
 
 
@@ -69,6 +71,15 @@ def cancel_key_of(tensors: Mapping[str, np.ndarray]) -> str:
 def is_probe(tensors: Mapping[str, np.ndarray]) -> bool:
     """An engine probe (response.build_probe): no text, nothing for the client."""
     return bool(_scalar(tensors.get("probe")) or False)
+
+
+def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:
+    """(engine id, uid, seq) of a response the engine wants acked (response.build_ensemble_outputs)."""
+    meta = tensors.get("meta")
+    if meta is None or meta.size < 6:
+        return None
+    m = np.asarray(meta).reshape(-1)
+    return int(m[3]), int(m[4]), int(m[5])
 
 
 def forward_cancel(key: str) -> bool:

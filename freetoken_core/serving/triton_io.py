@@ -27,38 +27,51 @@ def model_tokenizer(args: Mapping[str, Any]) -> Any:
 
 
 def respond_each(
-    pb_utils: Any, requests: list[Any], names: Iterable[str], handle: Callable[[Any, dict[str, np.ndarray]], dict]
+    pb_utils: Any, requests: list[Any], names: Iterable[str], handle: Callable[[Any, dict[str, np.ndarray]], dict],
+    on_done: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> list[Any]:
     """One response per request from handle(request, inputs) -> outputs; an exception fails only
-    its own request, with its message."""
+    its own request, with its message. on_done(inputs) runs after each request's response was made."""
     names = tuple(names)
     responses = []
     for request in requests:
+        tensors: dict[str, np.ndarray] = {}
         try:
-            out = handle(request, input_arrays(pb_utils, request, names))
+            tensors = input_arrays(pb_utils, request, names)
+            out = handle(request, tensors)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(k, v) for k, v in out.items()]))
         except Exception as e:  # noqa: BLE001
             responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+        if on_done is not None:
+            on_done(tensors)
     return responses
 
 
 def send_each(
-    pb_utils: Any, requests: list[Any], names: Iterable[str], handle: Callable[[Any, dict[str, np.ndarray]], dict | None]
+    pb_utils: Any, requests: list[Any], names: Iterable[str], handle: Callable[[Any, dict[str, np.ndarray]], dict | None],
+    on_sent: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> None:
     """Decoupled models: for each request, handle(request, inputs)'s response and the FINAL flag in one
     send; when it returns None, the FINAL flag alone (no response at all). An exception fails only
-    its own request, with its message."""
+    its own request, with its message. on_sent(inputs) runs after each send returned, also after a
+    failed one (the detokenizer's delivery ack)."""
     names = tuple(names)
     final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     for request in requests:
         sender = request.get_response_sender()
+        tensors: dict[str, np.ndarray] = {}
         try:
-            out = handle(request, input_arrays(pb_utils, request, names))
+            tensors = input_arrays(pb_utils, request, names)
+            out = handle(request, tensors)
             response = None if out is None else pb_utils.InferenceResponse(
                 [pb_utils.Tensor(k, v) for k, v in out.items()])
         except Exception as e:  # noqa: BLE001
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
-        if response is None:
-            sender.send(flags=final)
-        else:
-            sender.send(response, flags=final)
+        try:
+            if response is None:
+                sender.send(flags=final)
+            else:
+                sender.send(response, flags=final)
+        finally:
+            if on_sent is not None:
+                on_sent(tensors)

@@ -1,7 +1,9 @@
 """Many concurrent streams through the slim ensemble path (issue 13): engine responses that carry only
 what the stateless detokenizer needs for each (response.build_ensemble_outputs: `meta`, the context
 window, the cancel key only now and then), and the sender thread merging what queues up per request.
-Each stream must still get exactly its own tokens, in order, byte-exact text and one FINAL."""
+Each stream must still get exactly its own tokens, in order, byte-exact text and one FINAL: with the
+session server (one detokenizer instance on this box) and with two instances and one response in flight
+per stream (the flow control that keeps a stream in order across instances, engine_loop.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,32 @@ N_STREAMS = 32
 PROMPTS = ["The capital of France is", MIXED, "def fibonacci(n):", "Once upon a time", "🐍🚀 emoji: "]
 
 
-def test_32_streams_each_get_their_own_tokens_in_order(triton_server, offline_llm):
+@pytest.fixture(scope="module")
+def two_detokenizers(smollm2_path, tmp_path_factory):
+    import os
+
+    from freetoken_core.serving.launcher import start_server
+    from tests.serving.conftest import SERVER_PARAMS
+
+    workdir = tmp_path_factory.mktemp("triton2")
+    old = os.environ.get("FREETOKEN_DETOKENIZER_INSTANCES")
+    os.environ["FREETOKEN_DETOKENIZER_INSTANCES"] = "2"
+    try:
+        handle = start_server({**SERVER_PARAMS, "model_path": smollm2_path, "detok_max_inflight": "1"},
+                              repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
+    finally:
+        if old is None:
+            del os.environ["FREETOKEN_DETOKENIZER_INSTANCES"]
+        else:
+            os.environ["FREETOKEN_DETOKENIZER_INSTANCES"] = old
+    assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
+    yield handle
+    handle.stop()
+
+
+@pytest.mark.parametrize("server", ["triton_server", "two_detokenizers"])
+def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_llm):
+    triton_server = request.getfixturevalue(server)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(N_STREAMS)]
     max_tokens = [6 + i % 7 for i in range(N_STREAMS)]
     refs = offline_llm.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
@@ -69,3 +96,27 @@ def test_32_streams_each_get_their_own_tokens_in_order(triton_server, offline_ll
         metric(before, "nv_inference_request_success", model="detokenizer")
     # one detokenizer request per engine response; never more responses than tokens (+ a FINAL each)
     assert N_STREAMS <= reqs <= sum(max_tokens) + N_STREAMS, reqs
+
+
+def test_cancel_mid_stream_with_two_detokenizers(two_detokenizers):
+    """The cancel still reaches the engine through whichever instance gets the next response."""
+    from serving_helpers import wait_for
+    from test_triton_server import Stream
+
+    def aborted() -> float:
+        return metric(scrape_metrics(two_detokenizers.metrics_url), "freetoken_request_finished_total",
+                      finish_reason="abort")
+
+    def pages() -> tuple[float, float]:
+        m = scrape_metrics(two_detokenizers.metrics_url)
+        return metric(m, "freetoken_kv_cache_free_pages"), metric(m, "freetoken_kv_cache_total_pages")
+
+    assert wait_for(lambda: pages()[0] == pages()[1], 60)
+    a0 = aborted()
+    s = Stream(two_detokenizers.grpc_url)
+    s.client.async_stream_infer("ensemble", ensemble_inputs("Count slowly from one to one hundred.", 400,
+                                                            ignore_eos=True), request_id="x")
+    s.q.get(timeout=60)
+    s.close(cancel=True)
+    assert wait_for(lambda: aborted() == a0 + 1, 20)
+    assert wait_for(lambda: pages()[0] == pages()[1], 20), pages()

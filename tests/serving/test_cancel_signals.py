@@ -48,7 +48,8 @@ def test_which_model_sees_which_cancel(repro, repro_server):
     for case in ("grpc stream, direct", "grpc non-stream, direct", "http generate_stream, direct"):
         assert r[case]["gen_saw_cancel_at_step"] is not None and not r[case]["gen_ran_to_end"], (case, r[case])
     # inside an ensemble the engine's step is never marked cancelled; the next step scheduled is
-    for case in ("grpc stream, ensemble", "http generate_stream, ensemble", "grpc non-stream, ensemble + probes"):
+    for case in ("grpc stream, ensemble", "grpc stream, ensemble, decoupled detok", "http generate_stream, ensemble",
+                 "grpc non-stream, ensemble + probes"):
         assert r[case]["gen_ran_to_end"] and r[case]["pass_saw_cancel_after_s"] < 2.0, (case, r[case])
     # ...which for a non-streaming request without probes is only its last response
     assert r["grpc non-stream, ensemble"]["pass_saw_cancel_after_s"] >= run_s - 0.5

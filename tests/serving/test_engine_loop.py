@@ -113,3 +113,90 @@ def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(ll
     assert all(out["probe"][0] and out["next_tokens"].size == 0 and out["cancel_key"][0] for out in probes)
     assert "probe" not in ens[-1][0] and ens[-1][0]["next_tokens"].size == 24
     assert len(direct) == 1 and "probe" not in direct[0][0] and "cancel_key" not in direct[0][0]
+
+
+class AckingTransport(RecordingTransport):
+    """The ensemble's detokenizer as the engine sees it: acks each streamed response `ack_delay_s`
+    after its send (serving/cancel.py AckSender), and records the most responses a request ever had
+    sent but not acked."""
+
+    def __init__(self, ack_delay_s: float) -> None:
+        super().__init__(0.0)
+        from freetoken_core.serving.cancel import AckSender
+
+        self.ack_delay_s = ack_delay_s
+        self.acks = AckSender()
+        self.unacked: dict[str, int] = {}
+        self.most_unacked = 0
+
+    def send(self, handle, outputs, error, final) -> None:
+        super().send(handle, outputs, error, final)
+        meta = None if outputs is None else outputs.get("meta")
+        if meta is None or meta.size < 6:
+            return
+        with self.lock:
+            self.unacked[handle] = self.unacked.get(handle, 0) + 1
+            self.most_unacked = max(self.most_unacked, self.unacked[handle])
+
+        def ack() -> None:
+            with self.lock:
+                self.unacked[handle] -= 1
+                self.acks.add(int(meta[3]), int(meta[4]), int(meta[5]))
+                self.acks.flush()
+
+        threading.Timer(self.ack_delay_s, ack).start()
+
+
+@pytest.mark.parametrize("ack_delay_s", [0.0, 0.6])
+def test_flow_control_merges_only_while_the_detokenizer_is_behind(llm, ack_delay_s):
+    """Ensemble streams with one response in flight: acks that come at once leave every step its own
+    response; late acks make tokens wait and merge (never two unacked at once); tokens, text and the
+    single FINAL flag stay exact either way."""
+    prompts = ["Write one sentence about cats.", "数到五"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = AckingTransport(ack_delay_s)
+    transport.expected = len(prompts)
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1))
+    loop.start()
+    try:
+        for i, p in enumerate(prompts):
+            loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True,
+                                               return_cancel_key=True, detok_acks=True))
+        assert transport.done.wait(120)
+    finally:
+        loop.stop()
+    assert transport.most_unacked == 1
+    for i, exp in enumerate(expected):
+        responses = transport.sent[f"h{i}"]
+        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
+        sizes = [out["next_tokens"].size for out, _, _ in responses]
+        assert sizes[0] == 1  # the first token never waits
+        assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == exp.token_ids
+        text = "".join(
+            detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
+        )
+        assert text == exp.text
+        if ack_delay_s:
+            assert len(responses) < len(exp.token_ids)  # merged while acks were late
+        else:
+            assert len(responses) >= len(exp.token_ids) - 2  # one step, one response (a race or two aside)
+
+
+def test_streams_without_detok_acks_are_not_paced(llm):
+    """A request that asks for a cancel key but not for pacing (a client emulating the tokenizer step
+    without a detokenizer that acks) is never held back waiting for acks."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    transport = RecordingTransport(0.0)  # acks nothing
+    transport.expected = 1
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1, ack_timeout_s=30.0))
+    loop.start()
+    try:
+        loop.submit("h0", ParsedRequest(input_ids=llm.encode("Hi"), params=params, stream=True,
+                                        return_cancel_key=True))
+        assert transport.done.wait(20)  # paced, it would wait 30 s for the first ack that never comes
+    finally:
+        loop.stop()
+    responses = transport.sent["h0"]
+    assert sum(out["next_tokens"].size for out, _, _ in responses) == 12
+    assert all(out["meta"].size <= 3 for out, _, _ in responses if "meta" in out)  # no ack ids asked for

@@ -67,7 +67,10 @@ def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path
     from freetoken_core.serving.freetoken_model import check_detokenizer_decoupled
 
     plain = render_repository(tmp_path / "plain", {"model_path": "/m"}, {})
-    assert "model_transaction_policy {" not in (plain / "detokenizer" / "config.pbtxt").read_text()
+    # decoupled always now (issue 13: it acks a response after its send); a plain one is refused with probes
+    cfg_path = plain / "detokenizer" / "config.pbtxt"
+    assert "model_transaction_policy { decoupled: true }" in cfg_path.read_text()
+    cfg_path.write_text(cfg_path.read_text().replace("model_transaction_policy { decoupled: true }", ""))
     with pytest.raises(ValueError, match="needs a decoupled detokenizer"):
         check_detokenizer_decoupled(str(plain / "freetoken"))
     probed = render_repository(tmp_path / "probed", {"model_path": "/m", "nonstream_cancel_probe_ms": "100"}, {})
@@ -81,3 +84,17 @@ def test_dockerfile_default_base_image_is_a_full_ngc_reference():
     """A plain `docker build .` must resolve the base on NVIDIA's registry (issue 14)."""
     text = (source_repository().parent / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in text
+
+
+def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
+    from freetoken_core.serving.freetoken_model import max_inflight
+    from freetoken_core.serving.launcher import default_detokenizer_instances
+
+    assert [default_detokenizer_instances(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 4]
+    one = render_repository(tmp_path / "one", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "1"})
+    two = render_repository(tmp_path / "two", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
+    # auto: one queue keeps order anyway (4 in flight); several instances: one in flight per stream
+    assert max_inflight(0, str(one / "freetoken")) == 4 and max_inflight(0, str(two / "freetoken")) == 1
+    assert max_inflight(3, str(two / "freetoken")) == 3 and max_inflight(0, "") == 1
+    with pytest.raises(ValueError, match="detok_max_inflight"):
+        max_inflight(-1, "")

@@ -1,17 +1,22 @@
 """Triton Python model `detokenizer` (stateless): thin glue over freetoken_core.serving.text_models.
 
-Plain (one response per request, returned from execute) by default; decoupled when the engine's
-non-streaming probes are on (nonstream_cancel_probe_ms), because only a decoupled model can end a
-probe request with no response, so that no client sees it (freetoken_core/serving/cancel.py)."""
+Decoupled (config.pbtxt): each request's response goes out with `send()` inside execute, and only
+then is it acked to the engine (serving/cancel.py AckSender): the engine keeps a stream's next
+response back until the previous one is acked, which keeps every stream in order across several
+instances of this model and merges tokens only while this model is behind. A plain (not decoupled)
+config works too (one response per request, returned from execute; acked just before the return):
+then run a single instance, or responses of one stream may overtake each other."""
 
 import json
 import time
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken_core.serving.cancel import CancelCheckLimiter
-from freetoken_core.serving.text_models import cancel_key_of, detokenize_response, forward_cancel, is_probe
-from freetoken_core.serving.triton_io import model_tokenizer, respond_each, send_each
+from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter
+from freetoken_core.serving.text_models import (
+    ack_of, cancel_key_of, detokenize_response, forward_cancel, is_probe,
+)
+from freetoken_core.serving.triton_io import respond_each, model_tokenizer, send_each
 
 INPUTS = ("next_tokens", "context_tokens", "finished", "finish_reason", "stop_reason", "num_input_tokens",
           "num_output_tokens", "logprobs", "prompt_text", "detok_params", "cancel_key", "probe", "meta")
@@ -22,6 +27,7 @@ class TritonPythonModel:
         self.tok = model_tokenizer(args)
         self.cancel_checks = CancelCheckLimiter()  # is_cancelled() is an IPC round trip
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+        self.acks = AckSender()
 
     def _detokenize(self, request, tensors):
         # the client cancelled the ensemble: stop the engine too (probes come rate-limited by the engine)
@@ -33,8 +39,16 @@ class TritonPythonModel:
             return None  # the FINAL flag alone: nothing reaches the client
         return detokenize_response(self.tok, tensors)
 
+    def _sent(self, tensors):
+        ack = ack_of(tensors)
+        if ack is not None:
+            self.acks.add(*ack)
+
     def execute(self, requests):
         if self.decoupled:
-            send_each(pb_utils, requests, INPUTS, self._detokenize)
+            send_each(pb_utils, requests, INPUTS, self._detokenize, on_sent=self._sent)
+            self.acks.flush()
             return None
-        return respond_each(pb_utils, requests, INPUTS, self._detokenize)
+        responses = respond_each(pb_utils, requests, INPUTS, self._detokenize, on_done=self._sent)
+        self.acks.flush()
+        return responses
