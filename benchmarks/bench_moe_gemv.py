@@ -7,8 +7,7 @@ For each token count T it times `moe_gemv_gate_up` and `moe_gemv_down` (each pro
 columns of one route, whole-K rows streamed in BLOCK_K steps; there is no split-K) over a grid of
 (BLOCK_N, BLOCK_K, num_warps) at num_stages 2, then the best tile at other stage counts, and prints
 the table's current config and the best one with achieved GB/s of the chosen experts' bytes, and a
-`DECODE_CONFIGS` entry (kernels/fused_moe_configs.py) to paste. It also times the router top-k fused
-into the gate/up GEMV (`moe_gemv_gate_up_routed`) against `topk_softmax` + `moe_gemv_gate_up`.
+`DECODE_CONFIGS` entry (kernels/fused_moe_configs.py) to paste.
 
 Each timing is a CUDA graph of REPS calls cycling through routings that together touch every expert,
 so the weights come from HBM as in a decode step, not from the L2 (8 experts of 6 MB fit in it).
@@ -27,7 +26,7 @@ import torch
 import triton
 
 from freetoken_core.kernels.fused_moe import (
-    moe_gemv_down, moe_gemv_gate_up, moe_gemv_gate_up_routed, topk_softmax,
+    moe_gemv_down, moe_gemv_gate_up,
 )
 from freetoken_core.kernels.fused_moe_configs import get_decode_config
 from freetoken_core.kernels.fused_moe_ref import topk_softmax_ref
@@ -167,19 +166,6 @@ def fmt(cfg: dict) -> str:
            f"num_stages={cfg['num_stages']})"
 
 
-def bench_routed(p: Problem, cfg: dict) -> tuple[float, float]:
-    """(topk_softmax + gate/up GEMV, the routed GEMV) in us per call, with cfg as the gate/up tile."""
-    k = p.shape[3]
-    for lg, (w, ids) in zip(p.logits[:2], p.routes[:2]):
-        act, rw, rids = moe_gemv_gate_up_routed(p.x, lg, p.w13, k, True, cfg)
-        assert torch.equal(rids, topk_softmax(lg, k, True)[1]) and torch.equal(rids, ids)
-        torch.testing.assert_close(act, moe_gemv_gate_up(p.x, p.w13, rids, cfg), rtol=0, atol=0)
-    n = len(p.logits)
-    separate = graph_time_us(lambda c: moe_gemv_gate_up(p.x, p.w13, topk_softmax(p.logits[c % n], k, True)[1], cfg))
-    routed = graph_time_us(lambda c: moe_gemv_gate_up_routed(p.x, p.logits[c % n], p.w13, k, True, cfg))
-    return separate, routed
-
-
 def bench_shape(name: str, tokens: list[int], full: bool) -> None:
     shape = SHAPES[name]
     e, h, i, k = shape
@@ -199,9 +185,6 @@ def bench_shape(name: str, tokens: list[int], full: bool) -> None:
             best_of[t][kernel] = best_cfg
             print(f"| {t} | {kernel} | {fmt(table[kernel])} | {cur:.1f} | {nbytes / cur / 1e3:.0f} | "
                   f"{fmt(best_cfg)} | {best_t:.1f} | {nbytes / best_t / 1e3:.0f} |", flush=True)
-        separate, routed = bench_routed(p, best_of[t]["gate_up"])
-        print(f"| {t} | top-k + gate_up / routed gate_up | best | {separate:.1f} | | routed | {routed:.1f} | |",
-              flush=True)
     pick = best_of[1] if 1 in best_of else best_of[tokens[0]]
     print(f"\nDECODE_CONFIGS entry (the T = {1 if 1 in best_of else tokens[0]} winners):")
     print(f'    ({e}, {h}, {i}, "default"): {{"gate_up": {fmt(pick["gate_up"])},\n'

@@ -34,7 +34,6 @@ class KernelEnv:
     pdl: bool = True  # FREETOKEN_PDL: programmatic dependent launch of the decode kernels (Hopper)
     cpu_packed_linear: bool = True  # FREETOKEN_CPU_PACKED_LINEAR: oneDNN-prepacked CPU weights
     fused_moe: bool = True  # FREETOKEN_FUSED_MOE: Triton fused-MoE kernels on CUDA (else the torch path)
-    fused_moe_topk: bool = False  # FREETOKEN_FUSED_MOE_TOPK: decode router top-k inside the first expert GEMV
     decode_fused_merge: bool = False  # FREETOKEN_DECODE_FUSED_MERGE: split-KV decode merges in-kernel (1 launch)
 
     @staticmethod

@@ -19,10 +19,8 @@ Layout (shared with `fused_moe_ref.py`, the plain-torch reference of every kerne
   program per route and BLOCK_N act columns) and `moe_gemv_down` (one program per token and BLOCK_N
   output columns of all its k routes at once, summed in fp32: no [T, k, H] buffer, no third launch).
   Both take USE_PDL (kernels/pdl.py); the expert ids are activations, so they wait first.
-- `fused_moe_decode_routed` (batch-1 decode of the MoE layer): the same two GEMVs with `topk_softmax`
-  folded into the first: each gate/up program ranks its token's router logits (E <= MAX_ROUTED_EXPERTS)
-  with the top-k kernel's own code (same ties, same weights) and one program per token writes the
-  routing the down GEMV reads after its PDL wait. One launch fewer per MoE layer.
+  (Folding `topk_softmax` into the gate/up GEMV, one launch fewer per layer, was tried and measured
+  slower on the H200: every program then ranks the logits before its weight loads; RESULTS.md, issue 12.)
 
 Every output is allocated from shapes alone and nothing syncs with the host: CUDA-graph safe. The
 grouped grid is sized by the longest possible `sorted_token_ids`; programs past
@@ -37,7 +35,7 @@ import torch
 # Being in freetoken_core.kernels, this module runs after the package's __init__, which decides
 # TRITON_INTERPRET before the first `import triton`.
 from .fused_moe_configs import (
-    DECODE_MAX_TOKENS, MAX_ROUTED_EXPERTS, Config, down_config, get_config, get_decode_config,
+    DECODE_MAX_TOKENS, Config, down_config, get_config, get_decode_config,
 )
 from .fused_moe_ref import moe_padded_len
 from .pdl import pdl_launch
@@ -357,30 +355,6 @@ def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, I, H, stride_xt, st
 
 
 @triton.jit
-def _moe_gemv_gate_up_routed_kernel(x_ptr, w_ptr, logits_ptr, weights_ptr, ids_ptr, act_ptr, I, H, E, stride_xt,
-                                    stride_l, stride_we, stride_wn, stride_ar, TOP_K: tl.constexpr,
-                                    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                                    USE_PDL: tl.constexpr):
-    # The router's top-k fused in: every program of route r = t * TOP_K + j ranks token t's E logits
-    # itself (the rounds up to j: the j-th largest is its expert), so no top-k launch precedes it.
-    # The programs (t, j = TOP_K - 1, column block 0) have all TOP_K rounds and write the token's
-    # routing for the down GEMV, which reads it after its own PDL wait (this whole grid finished).
-    r = tl.program_id(0).to(tl.int64)
-    t = r // TOP_K
-    j = r % TOP_K
-    if USE_PDL:  # the logits come from the router GEMV just before
-        pdl_wait_then_release()
-    probs = _router_probs(logits_ptr, t, E, stride_l, BLOCK_E)
-    top_w, top_i = _topk_rounds(probs, j + 1, BLOCK_E, BLOCK_TOPK)
-    expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOPK) == j, top_i, 0), axis=0).to(tl.int64)
-    if (j == TOP_K - 1) & (tl.program_id(1) == 0):
-        _store_routing(weights_ptr, ids_ptr, t, top_w, top_i, TOP_K, RENORMALIZE, BLOCK_TOPK)
-    _gate_up_gemv(x_ptr + t * stride_xt, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn, stride_ar,
-                  BLOCK_N, BLOCK_K, EVEN_K)
-
-
-@triton.jit
 def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H, I, stride_ar, stride_we,
                           stride_wn, stride_ot, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -432,31 +406,6 @@ def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
     return act
 
 
-def moe_gemv_gate_up_routed(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, top_k: int,
-                            renormalize: bool, config: Config | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`topk_softmax` + `moe_gemv_gate_up` in one launch -> (act [T*k, I], weights fp32 [T, k], ids int32 [T, k])."""
-    num_tokens, num_experts = router_logits.shape
-    _, two_i, hidden = w13.shape
-    assert num_experts == w13.shape[0] <= MAX_ROUTED_EXPERTS and 1 <= top_k <= num_experts
-    assert router_logits.stride(1) == 1 and x.shape[0] == num_tokens
-    cfg = config or get_decode_config(num_experts, hidden, two_i // 2, x.dtype)["gate_up"]
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=x.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=x.device)
-    act = torch.empty((num_tokens * top_k, two_i // 2), dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return act, weights, ids
-    grid = (num_tokens * top_k, triton.cdiv(two_i // 2, cfg["BLOCK_N"]))
-    _moe_gemv_gate_up_routed_kernel[grid](
-        x, w13, router_logits, weights, ids, act, two_i // 2, hidden, num_experts, x.stride(0),
-        router_logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x),
-    )
-    return act, weights, ids
-
-
 def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   config: Config | None = None) -> torch.Tensor:
     """[T, H] = sum over the k routes of weight * (w2[e] @ act[route]), in one launch."""
@@ -484,21 +433,6 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     config = config or get_decode_config(w13.shape[0], w13.shape[2], w2.shape[2], x.dtype)
     act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"])
     return moe_gemv_down(act, w2, topk_weights, topk_ids, config["down"])
-
-
-def fused_moe_decode_routed(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                            top_k: int, renormalize: bool, *, config: dict[str, Config] | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router top-k + the decode experts in two launches (the top-k runs inside the gate/up GEMV):
-    x [T, H], router_logits [T, E] -> (out [T, H], topk_weights fp32 [T, k], topk_ids int32 [T, k]),
-    the routing being exactly `topk_softmax`'s. See `fused_moe_routed_ref`."""
-    num_tokens = x.shape[0]
-    config = config or get_decode_config(w13.shape[0], w13.shape[2], w2.shape[2], x.dtype)
-    act, weights, ids = moe_gemv_gate_up_routed(x, router_logits, w13, top_k, renormalize, config["gate_up"])
-    _check(x, w13, w2, weights, ids)
-    if num_tokens == 0:
-        return torch.empty_like(x), weights, ids
-    return moe_gemv_down(act, w2, weights, ids, config["down"]), weights, ids
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

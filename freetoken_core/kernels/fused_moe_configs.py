@@ -33,10 +33,6 @@ Config = dict[str, Any]
 # To be confirmed by benchmarks/bench_moe.py.
 DECODE_MAX_TOKENS = 8
 
-# The decode gate/up GEMV ranks the router logits itself (`fused_moe_decode_routed`) for at most this
-# many experts: each of its programs holds one token's E fp32 probabilities in registers.
-MAX_ROUTED_EXPERTS = 512
-
 
 def _seed(m: int, n: int, k: int, group: int, warps: int, stages: int) -> Config:
     return dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n // 2, BLOCK_SIZE_K=k, GROUP_SIZE_M=group, num_warps=warps,

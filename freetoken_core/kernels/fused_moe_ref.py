@@ -60,14 +60,6 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out
 
 
-def fused_moe_routed_ref(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Router top-k then the experts: (out [T, H], weights fp32 [T, k], ids int32 [T, k]), the reference
-    of `fused_moe_decode_routed` (the top-k fused into the first decode GEMV)."""
-    weights, ids = topk_softmax_ref(router_logits, top_k, renormalize)
-    return fused_moe_ref(x, w13, w2, weights, ids), weights, ids
-
-
 def moe_padded_len(num_routes: int, block_size: int, num_experts: int) -> int:
     """The length of `sorted_token_ids` for `num_routes` = T * k (token, route) pairs: every route plus
     each non-empty expert's padding (< block_size), rounded up to a whole block. At most

@@ -10,10 +10,8 @@ model's weight rules only name the expert index and the shard.
 
 On CUDA (half precision or fp32) the Triton kernels run the router's top-k and the experts inside
 CUDA graphs; everywhere else (and with FREETOKEN_FUSED_MOE=0) the plain-torch reference, which
-equals transformers' eager experts. At decode sizes (T <= DECODE_MAX_TOKENS) on resident experts
-the top-k runs inside the first expert GEMV (`fused_moe_decode_routed`: one launch fewer per layer);
-expert executors need the ids before the experts run, and forward hooks on the experts observe
-them (benchmarks/bench_decode.py `expert_usage`), so those keep the separate top-k.
+equals transformers' eager experts. Forward hooks on the experts observe the routing
+(benchmarks/bench_decode.py `expert_usage`).
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from torch import nn
 
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
-from ..kernels.fused_moe_configs import DECODE_MAX_TOKENS, MAX_ROUTED_EXPERTS
 from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref
 from .linear import Linear, copy_checked
 
@@ -79,22 +76,6 @@ class StackedExperts(nn.Module):
             return self.executor.forward(x, topk_weights, topk_ids)
         return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
 
-    def routes_in_kernel(self, x: torch.Tensor) -> bool:
-        """Whether `forward_routed` may take the raw router logits: resident experts on CUDA at a decode
-        size, and nobody hooked on this module to read the routing (its hooks see (x, weights, ids))."""
-        return (self.executor is None and not self._forward_pre_hooks and not self._forward_hooks
-                and use_fused_moe(x) and kernel_env().fused_moe_topk  # FREETOKEN_FUSED_MOE_TOPK=0: A/B
-                and x.shape[0] <= DECODE_MAX_TOKENS and self.num_experts <= MAX_ROUTED_EXPERTS)
-
-    def forward_routed(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-                       renormalize: bool) -> torch.Tensor:
-        """`forward(x, *route_topk(router_logits, ...))` with the top-k inside the gate/up GEMV."""
-        from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
-
-        out, _, _ = fused_moe.fused_moe_decode_routed(x, router_logits, self.gate_up_proj, self.down_proj, top_k,
-                                                      renormalize)
-        return all_reduce(out)
-
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:
         if param is self.gate_up_proj:
@@ -148,7 +129,5 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
-        if self.experts.routes_in_kernel(x):
-            return self.experts.forward_routed(x, logits, self.top_k, self.renormalize)
         weights, ids = route_topk(logits, self.top_k, self.renormalize)
         return self.experts(x, weights, ids)

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from freetoken_core.kernels.fused_moe import (
     fused_moe,
     fused_moe_decode,
-    fused_moe_decode_routed,
     fused_moe_grouped,
     moe_align_block_size,
     topk_softmax,
@@ -24,7 +23,6 @@ from freetoken_core.kernels.fused_moe_configs import (
 )
 from freetoken_core.kernels.fused_moe_ref import (
     fused_moe_ref,
-    fused_moe_routed_ref,
     moe_align_block_size_ref,
     topk_softmax_ref,
 )
@@ -178,57 +176,6 @@ def test_fused_moe_decode_matches_reference(case: str, dtype: torch.dtype):
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL[dtype])
 
 
-def _router_logits(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int = 6) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (3.0 * torch.randn(num_tokens, num_experts, generator=g)).to(DEVICE, dtype)
-
-
-def _check_routed(x, logits, w13, w2, top_k: int, renormalize: bool, ties: bool = False) -> None:
-    """The routed decode path against the separate top-k + decode GEMVs (the same code: equal bits)
-    and against the plain-torch reference (whose torch.topk orders exact ties in no promised way:
-    with ties only the outputs are compared)."""
-    out, weights, ids = fused_moe_decode_routed(x, logits, w13, w2, top_k, renormalize)
-    want_weights, want_ids = topk_softmax(logits, top_k, renormalize)
-    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
-    torch.testing.assert_close(out, fused_moe_decode(x, w13, w2, want_weights, want_ids), rtol=0, atol=0)
-    ref_out, ref_weights, ref_ids = fused_moe_routed_ref(x, logits, w13, w2, top_k, renormalize)
-    if not ties:
-        assert torch.equal(ids, ref_ids)
-        torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(out, ref_out, **TOL[x.dtype])
-
-
-@pytest.mark.parametrize("renormalize", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_fused_moe_decode_routed_matches_reference(case: str, dtype: torch.dtype, renormalize: bool):
-    num_tokens, num_experts, top_k, hidden, inter = DECODE_CASES[case]
-    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
-    x = random_x(num_tokens, hidden, dtype)
-    _check_routed(x, _router_logits(num_tokens, num_experts, dtype), w13, w2, top_k, renormalize)
-
-
-def test_fused_moe_decode_routed_breaks_ties_like_topk_softmax():
-    """Exact ties in the logits (so in the probabilities): the lowest id wins, as in topk_softmax;
-    E not a power of two (masked lanes)."""
-    w13, w2 = make_experts(12, 64, 32, torch.float32)
-    x = random_x(3, 64, torch.float32)
-    logits = torch.tensor([[1.0, 2.0, 2.0, 0.5, 2.0, 1.0, 1.0, 0.0, 2.0, 0.5, 1.0, 2.0],
-                           [0.0] * 12,
-                           [3.0, 3.0, 1.0, 1.0, 1.0, 3.0, 0.0, 0.0, 3.0, 1.0, 1.0, 1.0]], device=DEVICE)
-    _check_routed(x, logits, w13, w2, 4, True, ties=True)
-    _, _, ids = fused_moe_decode_routed(x, logits, w13, w2, 4, True)
-    assert ids.tolist() == [[1, 2, 4, 8], [0, 1, 2, 3], [0, 1, 5, 8]]
-
-
-def test_fused_moe_decode_routed_zero_tokens():
-    w13, w2 = make_experts(8, 64, 32, torch.float32)
-    out, weights, ids = fused_moe_decode_routed(torch.empty(0, 64, device=DEVICE), torch.empty(0, 8, device=DEVICE),
-                                                w13, w2, 2, True)
-    assert out.shape == (0, 64) and weights.shape == ids.shape == (0, 2)
-
-
 def test_fused_moe_decode_all_routes_to_one_expert():
     w13, w2 = make_experts(8, 64, 32, torch.float32)
     weights, ids = fixed_routing([[2], [2], [2]])
@@ -330,57 +277,6 @@ def test_bf16_qwen3_30b_shape(num_tokens: int):
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)  # fp32 math on the bf16 values
     for path in (fused_moe_grouped, fused_moe_decode) if num_tokens <= 8 else (fused_moe_grouped, fused_moe):
         torch.testing.assert_close(path(x, w13, w2, weights, ids).float(), ref, **TOL[torch.bfloat16])
-
-
-@needs_cuda
-@pytest.mark.parametrize("num_experts", [128, 256])  # Qwen3-30B-A3B, Qwen3.6-35B-A3B
-@pytest.mark.parametrize("num_tokens", [1, 8])
-def test_bf16_routed_decode(num_tokens: int, num_experts: int):
-    _, hidden, _, top_k = QWEN3_30B
-    inter = 768 if num_experts == 128 else 512
-    w13, w2 = make_experts(num_experts, hidden, inter, torch.bfloat16)
-    x = random_x(num_tokens, hidden, torch.bfloat16)
-    logits = distinct_logits(num_tokens, num_experts, seed=8)
-    out, weights, ids = fused_moe_decode_routed(x, logits, w13, w2, top_k, True)
-    want_weights, want_ids = topk_softmax(logits, top_k, True)
-    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
-    torch.testing.assert_close(out, fused_moe_decode(x, w13, w2, want_weights, want_ids), rtol=0, atol=0)
-    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), want_weights, want_ids)
-    torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
-
-
-@needs_cuda
-def test_routed_decode_in_a_cuda_graph_and_the_layer_dispatch():
-    """SparseMoeBlock takes the routed path at decode sizes on CUDA, inside a graph; a forward hook on
-    its experts (bench_decode's expert_usage) sends it back to the separate top-k, with the same result."""
-    from freetoken_core.layers.moe import SparseMoeBlock
-
-    num_experts, hidden, inter, top_k = QWEN3_30B
-    with torch.device("cuda"):
-        block = SparseMoeBlock(hidden, num_experts, top_k, inter, True, torch.bfloat16)
-    w13, w2 = make_experts(num_experts, hidden, inter, torch.bfloat16)
-    block.experts.gate_up_proj.data.copy_(w13)
-    block.experts.down_proj.data.copy_(w2)
-    block.gate.weight.data.copy_(torch.randn_like(block.gate.weight) / hidden ** 0.5)
-    x = random_x(1, hidden, torch.bfloat16)
-    assert block.experts.routes_in_kernel(x)
-    block(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = block(x)
-    seen = []
-    hook = block.experts.register_forward_pre_hook(lambda m, args: seen.append(args[2].clone()))
-    try:
-        assert not block.experts.routes_in_kernel(x)
-        for seed in (12, 13):
-            x.copy_(random_x(1, hidden, torch.bfloat16, seed=seed))
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(out, block(x), rtol=0, atol=0)  # hooked: the unfused path, same bits
-    finally:
-        hook.remove()
-    assert len(seen) == 2 and seen[0].shape == (1, top_k)
 
 
 @needs_cuda
