@@ -30,7 +30,9 @@ def write_inputs(work: Path, out_tokens: int) -> None:
     (work / "ensemble.json").write_text(json.dumps({"data": [{"text_input": [p], **common} for p in PROMPTS]}))
     # freetoken alone: token ids of a 32-token prompt (any ids below the vocab size work)
     ids = [[(1000 + 37 * i + 11 * j) % 49000 for j in range(32)] for i in range(len(PROMPTS))]
-    (work / "freetoken.json").write_text(json.dumps({"data": [{"input_ids": x, **common} for x in ids]}))
+    # a variable-sized input needs its shape spelled out in perf_analyzer's JSON
+    (work / "freetoken.json").write_text(json.dumps(
+        {"data": [{"input_ids": {"content": x, "shape": [len(x)]}, **common} for x in ids]}))
 
 
 def read_row(path: Path) -> dict[str, str] | None:
@@ -102,7 +104,8 @@ def _sse_worker(args: tuple[str, int, float, int, int]) -> dict:
                         gaps.append(now - last)
                     last = now
                     events += 1
-                    tokens += len(json.loads(line[5:]).get("next_tokens") or [])
+                    ids = json.loads(line[5:]).get("next_tokens")  # a one-token response is a bare int
+                    tokens += 1 if isinstance(ids, int) else len(ids or [])
                 resp.read()
             except Exception:  # noqa: BLE001
                 with lock:
