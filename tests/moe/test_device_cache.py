@@ -95,6 +95,7 @@ def test_self_check_reports_why(monkeypatch):
     assert "differs from the host bank" in copy_self_check(w13, w2, CPU)
 
 
+@cpu_only
 def test_default_on_cpu_is_the_host_pool_and_the_switch_is_checked(moe_model):
     path, _ = moe_model
     _, llm = run(path, moe_strategy="offload", moe_cache_slots=5)
