@@ -1,16 +1,17 @@
 """Gated-delta-net (GDN) linear attention, the token mixer of Qwen3-Next and Qwen3.5/3.6 layers.
 
-h -> in_proj_qkvz -> [q | k | v] through a causal depthwise conv (kernel K, SiLU) and z (the output
-gate); in_proj_ba -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); q, k L2-normed;
-the delta-rule recurrence over the request's state (fp32); per-head gated RMSNorm
+h -> in_proj: [q | k | v] through a causal depthwise conv (kernel K, SiLU), z (the output gate),
+and b, a -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); q, k L2-normed; the
+delta-rule recurrence over the request's state (fp32); per-head gated RMSNorm
 `w * rmsnorm(o) * silu(z)`; out_proj. The gates, the L2 norms and the output norm run inside the
-recurrence kernel: a batch-1 decode is in_proj_qkvz, in_proj_ba, conv, recurrence, out_proj.
+recurrence kernel, and the decoder layer runs its input norm fused with in_proj (`fuses_input_norm`):
+a batch-1 decode is norm+in_proj, conv, recurrence, out_proj.
 
-Projections are held flat, [q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv)] and [b (Hv) | a (Hv)], so
-[q | k | v] is a view of one output. Qwen3.5 checkpoints store them that way in pieces
-(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); Qwen3-Next stores `in_proj_qkvz` / `in_proj_ba`
-grouped per key head ([dk, dk, r*dv, r*dv] per key head, r = Hv / Hk): `weight_loader` takes
-both (shard "grouped" de-interleaves).
+The one projection is held flat, [q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv) | b (Hv) | a (Hv)],
+so [q | k | v], z, b and a are views of one output. Qwen3.5 checkpoints store it in pieces
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); Qwen3-Next stores `in_proj_qkvz` and
+`in_proj_ba`, each grouped per key head ([dk, dk, r*dv, r*dv] and [r, r] per key head, r = Hv / Hk):
+`weight_loader` takes both (shard ("grouped", segments) de-interleaves).
 
 The layer reads its step's state metadata from `get_context().linear_state` (kvcache/linear_state.py):
 prefill chunks go through the varlen kernels (state carried across chunks exactly), decode and
@@ -52,11 +53,14 @@ class GroupedMergedLinear(MergedLinear):
         self.groups = groups
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> list[Any]:
-        if shard == "grouped":
-            parts = [s // self.groups for s in self.out_sizes]
+        if isinstance(shard, tuple) and shard and shard[0] == "grouped":  # ("grouped", consecutive segments)
+            segs = list(shard[1])
+            parts = [self.out_sizes[i] // self.groups for i in segs]
             per_group = loaded.view(self.groups, sum(parts), -1).split(parts, dim=1)  # each [G, part, H]
-            copy_checked(param.data, torch.cat([p.reshape(-1, loaded.shape[-1]) for p in per_group], 0))
-            return list(range(len(self.out_sizes)))
+            off = sum(self.out_sizes[: segs[0]])
+            copy_checked(param.data.narrow(0, off, sum(self.out_sizes[i] for i in segs)),
+                         torch.cat([p.reshape(-1, loaded.shape[-1]) for p in per_group], 0))
+            return segs
         if isinstance(shard, tuple):  # consecutive segments stored as one tensor
             off = sum(self.out_sizes[: shard[0]])
             size = sum(self.out_sizes[i] for i in shard)
@@ -102,9 +106,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz = GroupedMergedLinear(hidden, [self.key_dim, self.key_dim, self.value_dim, self.value_dim],
-                                                self.num_k_heads, dtype)
-        self.in_proj_ba = GroupedMergedLinear(hidden, [self.num_v_heads, self.num_v_heads], self.num_k_heads, dtype)
+        self.in_proj = GroupedMergedLinear(
+            hidden, [self.key_dim, self.key_dim, self.value_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
+            self.num_k_heads, dtype)
         self.conv1d = nn.Module()  # checkpoint name conv1d.weight [C, 1, K] (a depthwise nn.Conv1d)
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel, dtype=dtype), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=dtype), requires_grad=False)
@@ -112,18 +116,16 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)
         self.out_proj = Linear(self.value_dim, hidden, bias=False, dtype=dtype)
 
-    @property
-    def in_proj(self) -> Linear:
-        return self.in_proj_qkvz
-
     def cache_spec(self) -> LinearStateSpec:
         return LinearStateSpec(self.state_index, self.conv_dim, self.conv_kernel, self.num_v_heads,
                                self.head_k_dim, self.head_v_dim)
 
-    def attend(self, positions: torch.Tensor, h: torch.Tensor, qkvz: torch.Tensor | None = None) -> torch.Tensor:
-        """h: the normed input rows [T, hidden]; qkvz: in_proj_qkvz(h) when the caller fused it.
-        Every tensor between the projections is a view of their outputs (no copies); the gates and the
-        output norm run inside the recurrence (kernels/gdn.py `gating=` / `out_norm=`)."""
+    fuses_input_norm = True  # the decoder layer runs its input norm fused with in_proj (layers/norm_linear.py)
+
+    def attend(self, positions: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
+        """proj: in_proj of the normed input rows, [T, conv_dim + value_dim + 2 Hv]. Every tensor
+        between the projections is a view of its outputs (no copies); the gates and the output norm
+        run inside the recurrence (kernels/gdn.py `gating=` / `out_norm=`)."""
         ctx = get_context()
         st: LinearStateStep | None = ctx.linear_state
         if ctx.hide_target_state and (st is None or st.is_target):
@@ -131,12 +133,13 @@ class GatedDeltaNet(nn.Module):
                                "own: pass linear_state=<the draft's LinearStateStep> with the override")
         if st is None:
             raise RuntimeError("a gated-delta-net layer ran without the engine's linear-state metadata")
-        t = h.shape[0]
-        qkvz = self.in_proj_qkvz(h) if qkvz is None else qkvz
-        conv_in = qkvz[:, : self.conv_dim]
-        z = qkvz[:, self.conv_dim:].view(t, self.num_v_heads, self.head_v_dim)
-        b, a = self.in_proj_ba(h).split(self.num_v_heads, dim=-1)
-        conv_varlen, conv_update, gdn_varlen, gdn_update = _ops(h)
+        t = proj.shape[0]
+        conv_in = proj[:, : self.conv_dim]
+        z_end = self.conv_dim + self.value_dim
+        z = proj[:, self.conv_dim: z_end].view(t, self.num_v_heads, self.head_v_dim)
+        b = proj[:, z_end: z_end + self.num_v_heads]
+        a = proj[:, z_end + self.num_v_heads:]
+        conv_varlen, conv_update, gdn_varlen, gdn_update = _ops(proj)
         i = self.state_index
         conv_pool, state_pool = st.pool.conv[i], st.pool.recurrent[i]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
@@ -164,7 +167,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(t, self.value_dim))  # contiguous: a view
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, h)
+        return self.attend(positions, self.in_proj(h))
 
     def replay_accepted(self, st: LinearStateStep, accepted: torch.Tensor) -> None:
         """After a verify step: advance this layer's states by each request's `accepted` rows."""

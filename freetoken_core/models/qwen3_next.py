@@ -33,15 +33,15 @@ from .weights import WeightRule, packed_rules
 
 log = logging.getLogger(__name__)
 
-# Qwen3.5's separate GDN projections -> the flat [q | k | v | z] and [b | a] weights; Qwen3-Next's
-# per-key-head grouped ones are de-interleaved by the layer ("grouped").
+# Qwen3.5's separate GDN projections -> segments of the one flat [q | k | v | z | b | a] in_proj;
+# Qwen3-Next's per-key-head grouped in_proj_qkvz / in_proj_ba are de-interleaved by the layer.
 GDN_RULES = (
-    WeightRule(r"\.in_proj_qkv\.", ".in_proj_qkvz.", (0, 1, 2)),
-    WeightRule(r"\.in_proj_z\.", ".in_proj_qkvz.", 3),
-    WeightRule(r"\.in_proj_b\.", ".in_proj_ba.", 0),
-    WeightRule(r"\.in_proj_a\.", ".in_proj_ba.", 1),
-    WeightRule(r"\.in_proj_qkvz\.weight$", ".in_proj_qkvz.weight", "grouped"),
-    WeightRule(r"\.in_proj_ba\.weight$", ".in_proj_ba.weight", "grouped"),
+    WeightRule(r"\.in_proj_qkv\.", ".in_proj.", (0, 1, 2)),
+    WeightRule(r"\.in_proj_z\.", ".in_proj.", 3),
+    WeightRule(r"\.in_proj_b\.", ".in_proj.", 4),
+    WeightRule(r"\.in_proj_a\.", ".in_proj.", 5),
+    WeightRule(r"\.in_proj_qkvz\.weight$", ".in_proj.weight", ("grouped", (0, 1, 2, 3))),
+    WeightRule(r"\.in_proj_ba\.weight$", ".in_proj.weight", ("grouped", (4, 5))),
 )
 
 
