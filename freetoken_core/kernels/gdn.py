@@ -6,10 +6,10 @@ A GDN layer keeps a fixed-size state per request in two pools: the conv state [s
 per-sequence initial states and have no slot indices, and decode runs inside CUDA graphs, so
 these kernels index the pools through `slot_ids` (device ints) themselves:
 
-- `gdn_recurrent_update` / `conv1d_update`: decode and speculative verify, R = rows_per_req rows
-  per request (request-major). One program per (request, value head, dv block) keeps its [dk, BV]
-  block of the state in registers and loops over the request's rows; the conv one program per
-  (request, channel block). With write_state=False the pools are untouched (verify over all k+1
+- `gdn_recurrent_update` (and `causal_conv1d.conv1d_update`, the conv's kernels): decode and
+  speculative verify, R = rows_per_req rows per request (request-major). One program per (request,
+  value head, dv block) keeps its [dk, BV] block of the state in registers and loops over the
+  request's rows. With write_state=False the pools are untouched (verify over all k+1
   rows); with write_state=True the slot ends holding the state after the first num_rows[i] rows
   (decode: R = 1; after verify: a replay of the same inputs with num_rows = accepted counts). The
   replay costs one more pass over the state and needs no per-row state copies, which at batch 64
@@ -19,7 +19,7 @@ these kernels index the pools through `slot_ids` (device ints) themselves:
   with `out_norm=(w, z, eps)` it returns the gated output norm `w * rmsnorm(o) * silu(z)` per head,
   in its epilogue when one program holds a whole head (BV >= dv), else as one `gated_rmsnorm` launch.
   A batch-1 GDN layer is then conv + recurrence (+ norm) instead of ~25 torch launches.
-- `gdn_varlen` / `causal_conv1d_varlen`: prefill of concatenated sequences (cu_seqlens), with an
+- `gdn_varlen` (and `causal_conv1d.causal_conv1d_varlen`): prefill of concatenated sequences (cu_seqlens), with an
   `initial_zero` flag per request for a first chunk (slots are never cleared). The recurrence here
   is the plain token loop per (sequence, head, dv block): correct, not fast. On CUDA the model layer
   prefers fla-core's chunked kernel (`fla_available()`), gathering and scattering states around it.
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from .gdn_ref import (  # noqa: F401  (the references, beside their kernels)
-    causal_conv1d_varlen_ref, chunk_gated_delta_rule_ref, conv1d_update_ref, gated_rmsnorm_ref, gdn_gating_ref,
-    gdn_recurrent_update_ref, gdn_varlen_ref, l2norm, recurrent_gated_delta_rule_ref,
+    chunk_gated_delta_rule_ref, gated_rmsnorm_ref, gdn_gating_ref, gdn_recurrent_update_ref, gdn_varlen_ref, l2norm,
+    recurrent_gated_delta_rule_ref,
 )
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
@@ -91,14 +91,6 @@ def _gdn_config(requests: int, num_v_heads: int, dv: int, varlen: bool) -> tuple
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     # slices of a fused projection keep unit stride along the head dim; anything else is copied
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _check_activation(activation: str | None) -> bool:
-    if activation is None:
-        return False
-    if activation in ("silu", "swish"):
-        return True
-    raise ValueError(f"unsupported conv activation {activation!r} (silu/swish or None)")
 
 
 # ------------------------------------------------------------------------------ gated delta rule
@@ -349,194 +341,3 @@ def gdn_varlen(
     assert cu_seqlens.shape[0] == slot_ids.shape[0] + 1, "cu_seqlens needs B + 1 entries"
     return _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, None, cu_seqlens, initial_zero, 1,
                        True, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages)
-
-
-# ------------------------------------------------------------------------------------ conv1d
-
-
-@triton.jit
-def _conv_tap(x, state, x_row, st_col, from_x, from_state, slot, offs_c, mask_c, s_xt, s_s0, s_s1, s_s2):
-    # one input of the extended sequence [state (K-1 columns) | rows]: a row of x or a state column
-    xv = tl.load(x + x_row * s_xt + offs_c, mask=_and(mask_c, from_x), other=0.0).to(tl.float32)
-    sv = tl.load(state + slot * s_s0 + offs_c * s_s1 + st_col * s_s2, mask=_and(mask_c, from_state),
-                 other=0.0).to(tl.float32)
-    return tl.where(from_x, xv, sv)
-
-
-@triton.jit
-def _conv_finish(acc, b_ptr, offs_c, mask_c, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    return acc
-
-
-@triton.jit
-def _conv_write_state(x, state, slot, first_row, n, use_state, offs_c, mask_c, s_xt, s_s0, s_s1, s_s2,
-                      write_ok, K: tl.constexpr, KP: tl.constexpr):
-    # After n rows the state is xx[n : n+K-1] of xx = [old state | rows from first_row]: column i
-    # comes from row first_row + n + i - (K-1) or, when n + i < K-1, from old column n + i.
-    offs_i = tl.arange(0, KP)
-    m = n + offs_i
-    mask_i = offs_i < K - 1
-    from_x = m >= K - 1
-    mask_x = mask_c[:, None] & (mask_i & from_x)[None, :]
-    mask_st = mask_c[:, None] & _and(mask_i & (m < K - 1), use_state)[None, :]
-    xv = tl.load(x + (first_row + m - (K - 1))[None, :] * s_xt + offs_c[:, None], mask=mask_x, other=0.0)
-    p_st = state + slot * s_s0 + offs_c[:, None] * s_s1
-    sv = tl.load(p_st + m[None, :] * s_s2, mask=mask_st, other=0.0)
-    new = tl.where(from_x[None, :], xv.to(state.dtype.element_ty), sv)
-    # every thread of the program has read the old columns before any overwrites them
-    tl.debug_barrier()
-    tl.store(p_st + offs_i[None, :] * s_s2, new, mask=_and(mask_c[:, None] & mask_i[None, :], write_ok))
-
-
-@triton.jit
-def _conv_update_kernel(
-    x, w, b, y, state, slot_ids, num_rows, C, s_xt, s_yt, s_w0, s_s0, s_s1, s_s2,
-    R: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, WRITE_STATE: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # Program (request i, channel block): rows i*R .. i*R+R-1 against xx = [state | rows];
-    # row r's output is b + sum_j w_j xx[r + j].
-    if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_wait_then_release()
-    i_b, i_c = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slot_ids + i_b).to(tl.int64)
-    first_row = i_b.to(tl.int64) * R
-    offs_c = i_c * BC + tl.arange(0, BC)
-    mask_c = offs_c < C
-    for r in range(0, R):
-        acc = tl.zeros((BC,), dtype=tl.float32)
-        for j in tl.static_range(K):
-            m = r + j
-            xx = _conv_tap(x, state, first_row + m - (K - 1), m, m >= K - 1, m < K - 1, slot, offs_c, mask_c,
-                           s_xt, s_s0, s_s1, s_s2)
-            acc += xx * tl.load(w + offs_c * s_w0 + j, mask=mask_c, other=0.0).to(tl.float32)
-        acc = _conv_finish(acc, b, offs_c, mask_c, HAS_BIAS, SILU)
-        tl.store(y + (first_row + r) * s_yt + offs_c, acc.to(y.dtype.element_ty), mask=mask_c)
-    if WRITE_STATE:
-        n = tl.load(num_rows + i_b)
-        _conv_write_state(x, state, slot, first_row, n, True, offs_c, mask_c, s_xt, s_s0, s_s1, s_s2,
-                          n > 0, K, KP)
-
-
-@triton.jit
-def _conv_varlen_kernel(
-    x, w, b, y, state, slot_ids, cu_seqlens, seq_idx, initial_zero, T, C, s_xt, s_yt, s_w0, s_s0, s_s1, s_s2,
-    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INITIAL_ZERO: tl.constexpr, SILU: tl.constexpr,
-):
-    # Program (token block, channel block): tokens of any sequences; seq_idx says whose each is.
-    # Token t at position p = t - bos reads xx[p .. p+K-1] of xx = [state | its sequence's rows]:
-    # source token t - (K-1) + j, or, before bos, state column (t - (K-1) + j) - bos + (K-1).
-    i_t, i_c = tl.program_id(0), tl.program_id(1)
-    offs_t = i_t * BT + tl.arange(0, BT)
-    offs_c = i_c * BC + tl.arange(0, BC)
-    mask_t, mask_c = offs_t < T, offs_c < C
-    seq = tl.load(seq_idx + offs_t, mask=mask_t, other=0)
-    bos = tl.load(cu_seqlens + seq, mask=mask_t, other=0).to(tl.int64)
-    slot = tl.load(slot_ids + seq, mask=mask_t, other=0).to(tl.int64)
-    use_state = mask_t
-    if HAS_INITIAL_ZERO:
-        use_state = use_state & (tl.load(initial_zero + seq, mask=mask_t, other=1) == 0)
-    acc = tl.zeros((BT, BC), dtype=tl.float32)
-    for j in tl.static_range(K):
-        src = offs_t.to(tl.int64) - (K - 1) + j
-        from_x = src >= bos
-        xv = tl.load(x + src[:, None] * s_xt + offs_c[None, :], mask=(mask_t & from_x)[:, None] & mask_c[None, :],
-                     other=0.0).to(tl.float32)
-        p_st = state + slot[:, None] * s_s0 + offs_c[None, :] * s_s1 + (src - bos + (K - 1))[:, None] * s_s2
-        sv = tl.load(p_st, mask=(use_state & (src < bos))[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
-        acc += tl.where(from_x[:, None], xv, sv) * tl.load(w + offs_c * s_w0 + j, mask=mask_c, other=0.0
-                                                           ).to(tl.float32)[None, :]
-    acc = _conv_finish(acc, b, offs_c[None, :], mask_c[None, :], HAS_BIAS, SILU)
-    tl.store(y + offs_t[:, None] * s_yt + offs_c[None, :], acc.to(y.dtype.element_ty),
-             mask=mask_t[:, None] & mask_c[None, :])
-
-
-@triton.jit
-def _conv_varlen_state_kernel(
-    x, state, slot_ids, cu_seqlens, initial_zero, C, s_xt, s_s0, s_s1, s_s2,
-    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, HAS_INITIAL_ZERO: tl.constexpr,
-):
-    # Program (sequence, channel block): the last K-1 inputs of [state | rows]; a second launch
-    # because the conv kernel's programs read the old state of the sequences they touch
-    i_b, i_c = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(cu_seqlens + i_b).to(tl.int64)
-    n = tl.load(cu_seqlens + i_b + 1).to(tl.int64) - bos
-    slot = tl.load(slot_ids + i_b).to(tl.int64)
-    use_state = True
-    if HAS_INITIAL_ZERO:
-        use_state = tl.load(initial_zero + i_b) == 0
-    offs_c = i_c * BC + tl.arange(0, BC)
-    _conv_write_state(x, state, slot, bos, n, use_state, offs_c, offs_c < C, s_xt, s_s0, s_s1, s_s2, True,
-                      K, KP)
-
-
-def _conv_checks(x, weight, conv_state_pool):
-    C, K = weight.shape
-    assert x.shape[-1] == C and tuple(conv_state_pool.shape[1:]) == (C, K - 1), \
-        f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv state pool {tuple(conv_state_pool.shape)}"
-    return _last_dim_contiguous(x), C, K
-
-
-# Tile sizes of the conv kernels (module constants so benchmarks can sweep them)
-_CONV_BC, _CONV_BT = 64, 16
-
-
-def conv1d_update(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state_pool: torch.Tensor,
-    slot_ids: torch.Tensor, num_rows: torch.Tensor, rows_per_req: int, write_state: bool = True,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """Decode / verify conv (see `conv1d_update_ref`): x [B*R, C], weight [C, K], conv_state_pool
-    [slots, C, K-1]. Returns y [B*R, C] in x's dtype; writes the pool only when write_state."""
-    x, C, K = _conv_checks(x, weight, conv_state_pool)
-    B = slot_ids.shape[0]
-    assert x.shape[0] == B * rows_per_req, f"{x.shape[0]} rows for {B} requests x {rows_per_req}"
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if B == 0:
-        return y
-    _conv_update_kernel[(B, triton.cdiv(C, _CONV_BC))](
-        x, weight, bias if bias is not None else weight, y, conv_state_pool, slot_ids, num_rows, C,
-        x.stride(0), y.stride(0), weight.stride(0), *conv_state_pool.stride(),
-        R=rows_per_req, K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=_CONV_BC,
-        HAS_BIAS=bias is not None, SILU=_check_activation(activation), WRITE_STATE=write_state, num_warps=1,
-        **pdl_launch(x),
-    )
-    return y
-
-
-def causal_conv1d_varlen(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
-    conv_state_pool: torch.Tensor, slot_ids: torch.Tensor, initial_zero: torch.Tensor | None = None,
-    activation: str | None = "silu", seq_idx: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Prefill conv over concatenated sequences (see `causal_conv1d_varlen_ref`). seq_idx [T] (the
-    request of each row) is derived from cu_seqlens on the device when not given."""
-    x, C, K = _conv_checks(x, weight, conv_state_pool)
-    T, B = x.shape[0], slot_ids.shape[0]
-    assert cu_seqlens.shape[0] == B + 1, "cu_seqlens needs B + 1 entries"
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if B == 0:
-        return y
-    if seq_idx is None:  # row t belongs to the last i with cu_seqlens[i] <= t
-        rows = torch.arange(T, device=x.device, dtype=cu_seqlens.dtype)
-        seq_idx = torch.searchsorted(cu_seqlens, rows, right=True) - 1
-    has_iz = initial_zero is not None
-    iz = initial_zero if has_iz else slot_ids
-    silu = _check_activation(activation)
-    if T > 0:
-        _conv_varlen_kernel[(triton.cdiv(T, _CONV_BT), triton.cdiv(C, _CONV_BC))](
-            x, weight, bias if bias is not None else weight, y, conv_state_pool, slot_ids, cu_seqlens, seq_idx, iz,
-            T, C, x.stride(0), y.stride(0), weight.stride(0), *conv_state_pool.stride(),
-            K=K, BT=_CONV_BT, BC=_CONV_BC, HAS_BIAS=bias is not None, HAS_INITIAL_ZERO=has_iz, SILU=silu,
-            num_warps=4,
-        )
-    _conv_varlen_state_kernel[(B, triton.cdiv(C, _CONV_BC))](
-        x, conv_state_pool, slot_ids, cu_seqlens, iz, C, x.stride(0), *conv_state_pool.stride(),
-        K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=_CONV_BC, HAS_INITIAL_ZERO=has_iz, num_warps=1,
-    )
-    return y

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..core import get_context
-from ..kernels import gdn_ref
+from ..kernels import causal_conv1d_ref, gdn_ref
 from ..kvcache.linear_state import LinearStateStep, VerifyInputs
 from ..kvcache.spec import LinearStateSpec
 from .linear import Linear, MergedLinear, copy_checked
@@ -35,10 +35,10 @@ from .linear import Linear, MergedLinear, copy_checked
 
 def _ops(x: torch.Tensor):
     if x.is_cuda:
-        from ..kernels import gdn  # first CUDA use: CPU users never load Triton
+        from ..kernels import causal_conv1d, gdn  # first CUDA use: CPU users never load Triton
 
-        return gdn.causal_conv1d_varlen, gdn.conv1d_update, gdn.gdn_varlen, gdn.gdn_recurrent_update
-    return (gdn_ref.causal_conv1d_varlen_ref, gdn_ref.conv1d_update_ref, gdn_ref.gdn_varlen_ref,
+        return causal_conv1d.causal_conv1d_varlen, causal_conv1d.conv1d_update, gdn.gdn_varlen, gdn.gdn_recurrent_update
+    return (causal_conv1d_ref.causal_conv1d_varlen_ref, causal_conv1d_ref.conv1d_update_ref, gdn_ref.gdn_varlen_ref,
             gdn_ref.gdn_recurrent_update_ref)
 
 
@@ -110,7 +110,8 @@ class GatedDeltaNet(nn.Module):
             hidden, [self.key_dim, self.key_dim, self.value_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
             self.num_k_heads, dtype)
         self.conv1d = nn.Module()  # checkpoint name conv1d.weight [C, 1, K] (a depthwise nn.Conv1d)
-        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel, dtype=dtype), requires_grad=False)
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.conv_kernel, dtype=dtype),
+                                          requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)

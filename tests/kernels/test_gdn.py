@@ -23,6 +23,8 @@ for _name in ("fla", "causal_conv1d"):
 
 from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
 
+from freetoken_core.kernels import causal_conv1d as conv_k  # noqa: E402
+from freetoken_core.kernels import causal_conv1d_ref as conv_ref  # noqa: E402
 from freetoken_core.kernels import gdn  # noqa: E402
 from freetoken_core.kernels import gdn_ref as ref  # noqa: E402
 
@@ -156,7 +158,7 @@ def test_conv_varlen_ref_matches_transformers():
     C = 24
     x, w, b, pool = conv_inputs(sum(lens), C, device="cpu")
     before = pool.clone()
-    y = ref.causal_conv1d_varlen_ref(x, w, b, cu(lens, "cpu"), pool, ids(slots, "cpu"), ids(fresh, "cpu", torch.bool))
+    y = conv_ref.causal_conv1d_varlen_ref(x, w, b, cu(lens, "cpu"), pool, ids(slots, "cpu"), ids(fresh, "cpu", torch.bool))
     start = 0
     for n, slot, z in zip(lens, slots, fresh):
         xs = x[start:start + n].t()[None]  # [1, C, n]
@@ -178,7 +180,7 @@ def test_conv_update_ref_decode_matches_transformers():
     state_hf = pool[slots].clone()
     for t in range(steps):
         xt = x[t * B:(t + 1) * B]
-        y = ref.conv1d_update_ref(xt, w, b, pool, slots, ids([1] * B, "cpu"), 1)
+        y = conv_ref.conv1d_update_ref(xt, w, b, pool, slots, ids([1] * B, "cpu"), 1)
         y_hf = hf.causal_conv1d_update(xt[:, :, None], state_hf, w, b, activation="silu")
         torch.testing.assert_close(y, y_hf[:, :, 0], **TOL)
         torch.testing.assert_close(pool[slots], state_hf, atol=0, rtol=0)
@@ -207,10 +209,10 @@ def test_conv_update_ref_matches_varlen():
     B, C = len(NUM_ROWS), 24
     x, w, b, pool = conv_inputs(B * R_ROWS, C, device="cpu")
     pool_v = pool.clone()
-    y = ref.conv1d_update_ref(x, w, b, pool, ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu"), R_ROWS)
-    y_v = ref.causal_conv1d_varlen_ref(x, w, b, cu([R_ROWS] * B, "cpu"), pool_v.clone(), ids(UPD_SLOTS, "cpu"))
+    y = conv_ref.conv1d_update_ref(x, w, b, pool, ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu"), R_ROWS)
+    y_v = conv_ref.causal_conv1d_varlen_ref(x, w, b, cu([R_ROWS] * B, "cpu"), pool_v.clone(), ids(UPD_SLOTS, "cpu"))
     torch.testing.assert_close(y, y_v, **TOL)
-    ref.causal_conv1d_varlen_ref(x[[i * R_ROWS + r for i, n in enumerate(NUM_ROWS) for r in range(n)]], w, b,
+    conv_ref.causal_conv1d_varlen_ref(x[[i * R_ROWS + r for i, n in enumerate(NUM_ROWS) for r in range(n)]], w, b,
                                  cu(NUM_ROWS, "cpu"), pool_v, ids(UPD_SLOTS, "cpu"))
     assert torch.equal(pool, pool_v)
 
@@ -388,8 +390,8 @@ def test_conv1d_update_kernel(R, write_state, bias):
     x, w, b, pool = conv_inputs(len(slots) * R, C, bias=bias, seed=R)
     pool_ref, before = pool.clone(), pool.clone()
     args = (ids(slots), ids(num_rows), R, write_state)
-    y = gdn.conv1d_update(x, w, b, pool, *args)
-    y_ref = ref.conv1d_update_ref(x, w, b, pool_ref, *args)
+    y = conv_k.conv1d_update(x, w, b, pool, *args)
+    y_ref = conv_ref.conv1d_update_ref(x, w, b, pool_ref, *args)
     torch.testing.assert_close(y, y_ref, **TOL)
     assert torch.equal(pool, pool_ref)  # the state is a copy of inputs: exact
     if not write_state:
@@ -403,8 +405,8 @@ def test_causal_conv1d_varlen_kernel(dtype):
     x, w, b, pool = conv_inputs(sum(lens), C, dtype=dtype)
     pool_ref = pool.clone()
     seqs, slot_ids, fresh_ids = cu(lens), ids(slots), ids(fresh, dtype=torch.bool)
-    y = gdn.causal_conv1d_varlen(x, w, b, seqs, pool, slot_ids, fresh_ids)
-    y_ref = ref.causal_conv1d_varlen_ref(x, w, b, seqs, pool_ref, slot_ids, fresh_ids)
+    y = conv_k.causal_conv1d_varlen(x, w, b, seqs, pool, slot_ids, fresh_ids)
+    y_ref = conv_ref.causal_conv1d_varlen_ref(x, w, b, seqs, pool_ref, slot_ids, fresh_ids)
     tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(y, y_ref, **tol)
     assert torch.equal(pool, pool_ref)
@@ -421,7 +423,7 @@ def test_verify_then_replay_equals_sequential_decode(impl, raw_gates):
     slots, accepted = ids([3, 1, 6, 4]), ids([1, 2, 3, 4])
     B = slots.shape[0]
     upd = gdn.gdn_recurrent_update if impl == "triton" else ref.gdn_recurrent_update_ref
-    conv = gdn.conv1d_update if impl == "triton" else ref.conv1d_update_ref
+    conv = conv_k.conv1d_update if impl == "triton" else conv_ref.conv1d_update_ref
     q, k, v, g, beta = gdn_inputs(B * R, Hk, Hv, dk, dv, seed=5)
     kw = {}
     if raw_gates:  # the layer's way: a, b of in_proj_ba, gated in the kernel (saved raw for the replay)
@@ -481,8 +483,8 @@ def test_gpu_update_kernels_qwen36_shapes(B, R, pool_dtype):
     x, w, b, _ = conv_inputs(B * R, QWEN36_C, dtype=torch.bfloat16, bias=False)
     cpool = torch.randn(B + 1, QWEN36_C, K_CONV - 1, device=DEV, dtype=torch.bfloat16)
     cpool_ref = cpool.clone()
-    y = gdn.conv1d_update(x, w, None, cpool, slots, num_rows, R, True)
-    y_ref = ref.conv1d_update_ref(x, w, None, cpool_ref, slots, num_rows, R, True)
+    y = conv_k.conv1d_update(x, w, None, cpool, slots, num_rows, R, True)
+    y_ref = conv_ref.conv1d_update_ref(x, w, None, cpool_ref, slots, num_rows, R, True)
     torch.testing.assert_close(y, y_ref, **BF16_TOL)
     assert torch.equal(cpool, cpool_ref)
 
@@ -522,8 +524,8 @@ def test_gpu_varlen_kernels_bf16():
     x, w, b, _ = conv_inputs(sum(lens), QWEN36_C, dtype=torch.bfloat16)
     cpool = torch.randn(5, QWEN36_C, K_CONV - 1, device=DEV, dtype=torch.bfloat16)
     cpool_ref = cpool.clone()
-    y = gdn.causal_conv1d_varlen(x, w, b, seqs, cpool, slot_ids, fresh_ids)
-    y_ref = ref.causal_conv1d_varlen_ref(x, w, b, seqs, cpool_ref, slot_ids, fresh_ids)
+    y = conv_k.causal_conv1d_varlen(x, w, b, seqs, cpool, slot_ids, fresh_ids)
+    y_ref = conv_ref.causal_conv1d_varlen_ref(x, w, b, seqs, cpool_ref, slot_ids, fresh_ids)
     torch.testing.assert_close(y, y_ref, **BF16_TOL)
     assert torch.equal(cpool, cpool_ref)
 
@@ -544,7 +546,7 @@ def test_gpu_update_kernels_in_cuda_graph(R, write_state):
     cpool = torch.randn(2 * B + 1, QWEN36_C, K_CONV - 1, device=DEV, dtype=torch.bfloat16)
 
     def step():
-        y = gdn.conv1d_update(static[5], w, None, cpool, slots, num_rows, R, write_state)
+        y = conv_k.conv1d_update(static[5], w, None, cpool, slots, num_rows, R, write_state)
         o = gdn.gdn_recurrent_update(*static[:5], pool, slots, num_rows, R, write_state, **kw)
         return o, y
 
@@ -570,7 +572,7 @@ def test_gpu_update_kernels_in_cuda_graph(R, write_state):
     pool_ref, cpool_ref = pool.clone(), cpool.clone()
     graph.replay()
     o_ref = ref.gdn_recurrent_update_ref(*new, pool_ref, slots, num_rows, R, write_state, **kw)
-    y_ref = ref.conv1d_update_ref(new_x, w, None, cpool_ref, slots, num_rows, R, write_state)
+    y_ref = conv_ref.conv1d_update_ref(new_x, w, None, cpool_ref, slots, num_rows, R, write_state)
     torch.testing.assert_close(out[0], o_ref, **BF16_TOL)
     torch.testing.assert_close(out[1], y_ref, **BF16_TOL)
     torch.testing.assert_close(pool, pool_ref, atol=1e-4, rtol=1e-4)
