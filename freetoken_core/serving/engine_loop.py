@@ -69,8 +69,12 @@ class LoopOptions:
     # streamed ensemble responses a request may have sent but not yet acked by the detokenizer
     # (0 = no flow control). 1 keeps each stream in order across several detokenizer instances.
     max_inflight: int = 1
-    # an ack this late counts as lost (the stream goes on); if no ack ever came, flow control turns off
+    # until the first ack arrives: an ack this late means the detokenizer sends none (flow control turns off)
     ack_timeout_s: float = 1.0
+    # once acks are known to arrive: an ack this late counts as lost and its stream goes on (logged). Long,
+    # because a late ack that is waited for keeps order across detokenizer instances, one not waited for
+    # may not; a stream whose ack never comes is cancelled or failed by the other paths long before
+    ack_lost_s: float = 30.0
 
 
 @dataclass
@@ -428,9 +432,12 @@ class EngineLoop:
         if not st.unacked or len(st.unacked) < self.opt.max_inflight:
             return True
         # acks lost (or a detokenizer that sends none): such a response counts as delivered
-        late = [seq for seq, t in st.unacked.items() if now - t >= self.opt.ack_timeout_s]
+        limit = self.opt.ack_lost_s if self._acks_seen else self.opt.ack_timeout_s
+        late = [seq for seq, t in st.unacked.items() if now - t >= limit]
         for seq in late:
             del st.unacked[seq]
+        if late and self._acks_seen:
+            log.warning("request %d: no ack from the detokenizer for %.0f s; sending on", st.uid, limit)
         if late and not self._acks_seen and self._flow_control:
             log.warning("the detokenizer acks no responses (an older model.py?): streaming without flow "
                         "control, so responses of one stream may overtake each other across instances")

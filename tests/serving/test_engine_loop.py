@@ -144,7 +144,22 @@ class AckingTransport(RecordingTransport):
                 self.acks.add(int(meta[3]), int(meta[4]), int(meta[5]))
                 self.acks.flush()
 
-        threading.Timer(self.ack_delay_s, ack).start()
+        threading.Timer(self.next_delay(), ack).start()
+
+    def next_delay(self) -> float:
+        return self.ack_delay_s
+
+
+class SlowAfterFirstAck(AckingTransport):
+    """The first response is acked at once (so the loop knows acks arrive), every later one late."""
+
+    def __init__(self, late_s: float) -> None:
+        super().__init__(late_s)
+        self.first = True
+
+    def next_delay(self) -> float:
+        first, self.first = self.first, False
+        return 0.0 if first else self.ack_delay_s
 
 
 @pytest.mark.parametrize("ack_delay_s", [0.0, 0.6])
@@ -181,6 +196,27 @@ def test_flow_control_merges_only_while_the_detokenizer_is_behind(llm, ack_delay
             assert len(responses) < len(exp.token_ids)  # merged while acks were late
         else:
             assert len(responses) >= len(exp.token_ids) - 2  # one step, one response (a race or two aside)
+
+
+def test_a_late_ack_is_waited_for_once_acks_are_known_to_arrive(llm):
+    """Acks later than ack_timeout_s (the "no acks at all" probe) but sooner than ack_lost_s: the stream
+    keeps one response in flight (what keeps it in order across detokenizer instances) and merges."""
+    params = SamplingParams(max_tokens=48, ignore_eos=True)  # generation outlasts ack_timeout_s
+    expected = llm.generate(["Hi"], params)[0]
+    transport = SlowAfterFirstAck(late_s=1.5)
+    transport.expected = 1
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1, ack_timeout_s=0.5, ack_lost_s=30.0))
+    loop.start()
+    try:
+        loop.submit("h0", ParsedRequest(input_ids=llm.encode("Hi"), params=params, stream=True,
+                                        return_cancel_key=True, detok_acks=True))
+        assert transport.done.wait(60)
+    finally:
+        loop.stop()
+    assert transport.most_unacked == 1
+    responses = transport.sent["h0"]
+    assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == expected.token_ids
+    assert len(responses) < len(expected.token_ids)  # merged while waiting
 
 
 def test_streams_without_detok_acks_are_not_paced(llm):
