@@ -20,6 +20,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -168,9 +169,11 @@ def expert_usage(sched: Scheduler, bs: int, prompt_len: int, steps: int = 6) -> 
     return sum(decode) / max(len(decode), 1)
 
 
-def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int) -> tuple[float, int, int]:
+def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int,
+               after_prefill: Callable[[], None] | None = None) -> tuple[float, int, int]:
     """Prefill `bs` prompts, then time the decode steps; returns (seconds, steps, tokens). Steps
-    while the last prompts are still prefilling are not timed."""
+    while the last prompts are still prefilling are not timed; `after_prefill` runs just before the
+    timed steps (e.g. to read counters)."""
     vocab = sched.engine.vocab_size
     g = torch.Generator().manual_seed(bs * 7919 + prompt_len)
     for _ in range(bs):
@@ -179,6 +182,8 @@ def run_decode(sched: Scheduler, bs: int, prompt_len: int, out_tokens: int) -> t
     while any(r.cached_len < r.prompt_len for r in sched.running) or sched.waiting:
         sched.step()
     torch.cuda.synchronize()
+    if after_prefill is not None:
+        after_prefill()
     t0 = time.perf_counter()
     steps = tokens = 0
     while sched.has_work():

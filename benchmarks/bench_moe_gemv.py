@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import triton
 
+import bench_gemv  # noqa: E402  (its CUDA-graph timer)
 from freetoken_core.kernels.fused_moe import (
     moe_gemv_down, moe_gemv_gate_up,
 )
@@ -46,20 +47,7 @@ DEVICE, DTYPE = "cuda", torch.bfloat16  # (a CPU smoke test of this script sets 
 
 def graph_time_us(fn: Callable[[int], object], reps: int = REPS) -> float:
     """fn(i) makes call i of a CUDA graph of `reps` calls; returns microseconds per call."""
-    for i in range(2):
-        fn(i)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n = 10
-    for _ in range(n):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (n * reps) * 1e6
+    return bench_gemv.graph_time_us(fn, reps)
 
 
 def routings(num_tokens: int, num_experts: int, top_k: int, count: int) -> list[torch.Tensor]:

@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import SHAPES, copy_bandwidth, expert_usage, moe_blocks, weight_bytes_per_step, write_shape  # noqa: E402
+from bench_decode import (  # noqa: E402
+    SHAPES, copy_bandwidth, expert_usage, moe_blocks, run_decode, weight_bytes_per_step, write_shape,
+)
 
 from freetoken_core.config import EngineConfig, SamplingParams  # noqa: E402
 from freetoken_core.models import loader  # noqa: E402
@@ -122,19 +124,9 @@ def random_prompts(sched: Scheduler, n: int, length: int, seed: int) -> list[lis
 
 def timed_decode(sched: Scheduler, bs: int, prompt: int, out_tokens: int) -> dict:
     """Prefill bs prompts untimed, then time the decode steps; counters are read around the decode."""
-    for ids in random_prompts(sched, bs, prompt, bs * 7919 + prompt):
-        sched.add_request(ids, SamplingParams(max_tokens=out_tokens, ignore_eos=True))
-    while any(r.cached_len < r.prompt_len for r in sched.running) or sched.waiting:
-        sched.step()
-    torch.cuda.synchronize()
-    before = moe_counters(sched.engine)
-    t0 = time.perf_counter()
-    steps = tokens = 0
-    while sched.has_work():
-        tokens += sum(len(m.next_tokens) for m in sched.step())
-        steps += 1
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
+    before: list = []
+    dt, steps, tokens = run_decode(sched, bs, prompt, out_tokens,
+                                   after_prefill=lambda: before.extend(moe_counters(sched.engine)))
     hits, misses, copied = (a - b for a, b in zip(moe_counters(sched.engine), before))
     return dict(dt=dt, steps=steps, tokens=tokens, hits=hits, misses=misses, copied=copied)
 
