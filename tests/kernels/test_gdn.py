@@ -1,4 +1,5 @@
-"""Gated-delta-net kernels (`kernels/gdn.py`) and their plain-torch references (`kernels/gdn_ref.py`).
+"""Gated-delta-net kernels (`kernels/gdn.py`) and their plain-torch references (`kernels/gdn_ref.py`); the
+causal conv1d alone is in test_causal_conv1d.py.
 
 The references are checked against transformers' qwen3_next torch path (the math the models must
 match), the chunked form against the token loop, the varlen/update forms against one sequence at a
@@ -9,91 +10,21 @@ the CUDA-only tests add bf16 activations, Qwen3.6 shapes and a CUDA-graph captur
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-# Installed, fla / causal_conv1d make transformers take their (CUDA-only) kernels: force its torch path.
-for _name in ("fla", "causal_conv1d"):
-    if _name not in sys.modules and importlib.util.find_spec(_name) is not None:
-        sys.modules[_name] = None
-
-from transformers.models.qwen3_next import modeling_qwen3_next as hf  # noqa: E402
-
+# first: gdn_cases keeps transformers off fla / causal_conv1d (their CUDA-only kernels)
+from tests.kernels.gdn_cases import (
+    DEV, K_CONV, NUM_ROWS, R_ROWS, SLOTS, TOL, UPD_SLOTS, _gen, _hf_gdn, _update_case, conv_inputs, cu, gate_inputs,
+    gdn_inputs, hf, ids, needs_cuda, state_pool,
+)
 from freetoken_core.kernels import causal_conv1d as conv_k  # noqa: E402
 from freetoken_core.kernels import causal_conv1d_ref as conv_ref  # noqa: E402
 from freetoken_core.kernels import gdn  # noqa: E402
 from freetoken_core.kernels import gdn_ref as ref  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # kernels: interpreted on CPU, compiled on a GPU host
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-K_CONV = 4
-SLOTS = 8
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def gdn_inputs(T: int, Hk: int = 2, Hv: int = 4, dk: int = 16, dv: int = 16, dtype=torch.float32,
-               device: str = DEV, seed: int = 0):
-    """q, k, v in `dtype`, g fp32 (as the model computes it), beta in `dtype`; g spans weak to strong decay."""
-    gen = _gen(seed)
-    q, k = torch.randn(T, Hk, dk, generator=gen), torch.randn(T, Hk, dk, generator=gen)
-    v = torch.randn(T, Hv, dv, generator=gen)
-    g = -F.softplus(torch.randn(T, Hv, generator=gen) * 2.0)
-    beta = torch.sigmoid(torch.randn(T, Hv, generator=gen))
-    return (*(x.to(device, dtype) for x in (q, k, v)), g.to(device), beta.to(device, dtype))
-
-
-def gate_inputs(T: int, Hv: int = 4, dv: int = 16, dtype=torch.float32, device: str = DEV, seed: int = 7):
-    """in_proj_ba's raw a, b [T, Hv] (a spans softplus's threshold and its log1p tail), A_log and
-    dt_bias [Hv], and the output norm's weight [dv] and gate z [T, Hv, dv]."""
-    gen = _gen(seed)
-    a = torch.randn(T, Hv, generator=gen) * 8.0
-    a[0, 0], a[-1, -1] = 25.0, -40.0
-    b = torch.randn(T, Hv, generator=gen) * 2.0
-    A_log = torch.rand(Hv, generator=gen).mul(16).add(0.01).log()
-    dt_bias = torch.randn(Hv, generator=gen)
-    w = 1 + 0.3 * torch.randn(dv, generator=gen)
-    z = torch.randn(T, Hv, dv, generator=gen)
-    return tuple(x.to(device, dtype) for x in (a, b, A_log, dt_bias, w, z))
-
-
-def state_pool(Hv: int = 4, dk: int = 16, dv: int = 16, dtype=torch.float32, device: str = DEV, seed: int = 1):
-    return (0.5 * torch.randn(SLOTS, Hv, dk, dv, generator=_gen(seed))).to(device, dtype)
-
-
-def conv_inputs(T: int, C: int, dtype=torch.float32, device: str = DEV, seed: int = 2, bias: bool = True):
-    gen = _gen(seed)
-    x = torch.randn(T, C, generator=gen).to(device, dtype)
-    w = (0.5 * torch.randn(C, K_CONV, generator=gen)).to(device, dtype)
-    b = (0.5 * torch.randn(C, generator=gen)).to(device, dtype) if bias else None
-    pool = torch.randn(SLOTS, C, K_CONV - 1, generator=gen).to(device, dtype)
-    return x, w, b, pool
-
-
-def cu(lens: list[int], device: str = DEV) -> torch.Tensor:
-    return torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-
-
-def ids(values: list, device: str = DEV, dtype=torch.int32) -> torch.Tensor:
-    return torch.tensor(values, device=device, dtype=dtype)
-
-
-def _hf_gdn(fn, q, k, v, g, beta, state, **kw):
-    # q/k repeated to the value heads here: transformers 5.24 repeats inside, 5.17 (the GPU host) in the layer
-    rep = v.shape[-2] // q.shape[-2]
-    q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
-    o, s = fn(q[None], k[None], v[None], g[None], beta[None], initial_state=None if state is None else state[None],
-              output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
-    return o[0], s[0]
-
-
-TOL = dict(atol=2e-5, rtol=2e-5)
 
 
 # ------------------------------------------------------------------------- references vs transformers
@@ -153,42 +84,8 @@ def test_varlen_ref_matches_per_sequence(chunk_size):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def test_conv_varlen_ref_matches_transformers():
-    lens, slots, fresh = [6, 2, 11], [4, 2, 7], [True, False, False]  # 2 < K-1: the state shifts
-    C = 24
-    x, w, b, pool = conv_inputs(sum(lens), C, device="cpu")
-    before = pool.clone()
-    y = conv_ref.causal_conv1d_varlen_ref(x, w, b, cu(lens, "cpu"), pool, ids(slots, "cpu"), ids(fresh, "cpu", torch.bool))
-    start = 0
-    for n, slot, z in zip(lens, slots, fresh):
-        xs = x[start:start + n].t()[None]  # [1, C, n]
-        if z:
-            y_hf = hf.causal_conv1d_fn(xs, w, b, activation="silu")
-            state_hf = F.pad(xs, (K_CONV - 1, 0))[..., -(K_CONV - 1):]
-        else:
-            state_hf = before[slot][None].clone()
-            y_hf = hf.causal_conv1d_update(xs, state_hf, w, b, activation="silu")
-        torch.testing.assert_close(y[start:start + n], y_hf[0].t(), **TOL)
-        torch.testing.assert_close(pool[slot], state_hf[0], atol=0, rtol=0)
-        start += n
-
-
-def test_conv_update_ref_decode_matches_transformers():
-    C, B, steps = 24, 3, 5
-    x, w, b, pool = conv_inputs(B * steps, C, device="cpu")
-    slots = ids([5, 1, 3], "cpu")
-    state_hf = pool[slots].clone()
-    for t in range(steps):
-        xt = x[t * B:(t + 1) * B]
-        y = conv_ref.conv1d_update_ref(xt, w, b, pool, slots, ids([1] * B, "cpu"), 1)
-        y_hf = hf.causal_conv1d_update(xt[:, :, None], state_hf, w, b, activation="silu")
-        torch.testing.assert_close(y, y_hf[:, :, 0], **TOL)
-        torch.testing.assert_close(pool[slots], state_hf, atol=0, rtol=0)
-
-
 # The R-row update references against the varlen ones: outputs of all R rows from the slot's state,
 # and (write_state) the state after the first num_rows rows.
-R_ROWS, NUM_ROWS, UPD_SLOTS = 4, [0, 4, 1, 3], [2, 7, 0, 5]
 
 
 def test_gdn_update_ref_matches_varlen():
@@ -203,18 +100,6 @@ def test_gdn_update_ref_matches_varlen():
         _, s_i = ref.recurrent_gated_delta_rule_ref(*(x[:n] for x in rows), state=before[slot])
         torch.testing.assert_close(o[i * R_ROWS:(i + 1) * R_ROWS], o_i, **TOL)
         torch.testing.assert_close(pool[slot], s_i, **TOL)
-
-
-def test_conv_update_ref_matches_varlen():
-    B, C = len(NUM_ROWS), 24
-    x, w, b, pool = conv_inputs(B * R_ROWS, C, device="cpu")
-    pool_v = pool.clone()
-    y = conv_ref.conv1d_update_ref(x, w, b, pool, ids(UPD_SLOTS, "cpu"), ids(NUM_ROWS, "cpu"), R_ROWS)
-    y_v = conv_ref.causal_conv1d_varlen_ref(x, w, b, cu([R_ROWS] * B, "cpu"), pool_v.clone(), ids(UPD_SLOTS, "cpu"))
-    torch.testing.assert_close(y, y_v, **TOL)
-    conv_ref.causal_conv1d_varlen_ref(x[[i * R_ROWS + r for i, n in enumerate(NUM_ROWS) for r in range(n)]], w, b,
-                                 cu(NUM_ROWS, "cpu"), pool_v, ids(UPD_SLOTS, "cpu"))
-    assert torch.equal(pool, pool_v)
 
 
 def test_gating_ref_matches_transformers():
@@ -273,13 +158,6 @@ def test_bf16_state_pool_ref():
 
 
 # ------------------------------------------------------------------- Triton kernels vs references
-
-
-def _update_case(R: int):
-    # R = 1: plain decode, a padded request on the dummy slot 0; R = 4: every num_rows in 0..R
-    if R == 1:
-        return [3, 0, 6], [1, 0, 1]
-    return UPD_SLOTS, NUM_ROWS
 
 
 @pytest.mark.parametrize("R", [1, 4])
@@ -379,37 +257,6 @@ def test_gdn_kernels_take_strided_views():
     o_ref = ref.gdn_recurrent_update_ref(q, k, v, g, beta, pool_ref, *args)
     torch.testing.assert_close(o, o_ref, **TOL)
     torch.testing.assert_close(pool, pool_ref, **TOL)
-
-
-@pytest.mark.parametrize("R", [1, 4])
-@pytest.mark.parametrize("write_state", [True, False])
-@pytest.mark.parametrize("bias", [True, False])
-def test_conv1d_update_kernel(R, write_state, bias):
-    slots, num_rows = _update_case(R)
-    C = 72  # two channel blocks, the second partly masked
-    x, w, b, pool = conv_inputs(len(slots) * R, C, bias=bias, seed=R)
-    pool_ref, before = pool.clone(), pool.clone()
-    args = (ids(slots), ids(num_rows), R, write_state)
-    y = conv_k.conv1d_update(x, w, b, pool, *args)
-    y_ref = conv_ref.conv1d_update_ref(x, w, b, pool_ref, *args)
-    torch.testing.assert_close(y, y_ref, **TOL)
-    assert torch.equal(pool, pool_ref)  # the state is a copy of inputs: exact
-    if not write_state:
-        assert torch.equal(pool, before)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_causal_conv1d_varlen_kernel(dtype):
-    lens, slots, fresh = [6, 2, 0, 11], [4, 2, 3, 7], [True, False, True, False]  # T = 19: two token blocks
-    C = 72
-    x, w, b, pool = conv_inputs(sum(lens), C, dtype=dtype)
-    pool_ref = pool.clone()
-    seqs, slot_ids, fresh_ids = cu(lens), ids(slots), ids(fresh, dtype=torch.bool)
-    y = conv_k.causal_conv1d_varlen(x, w, b, seqs, pool, slot_ids, fresh_ids)
-    y_ref = conv_ref.causal_conv1d_varlen_ref(x, w, b, seqs, pool_ref, slot_ids, fresh_ids)
-    tol = TOL if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(y, y_ref, **tol)
-    assert torch.equal(pool, pool_ref)
 
 
 @pytest.mark.parametrize("impl", ["ref", "triton"])
