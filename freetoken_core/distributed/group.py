@@ -6,17 +6,14 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import os
-import shutil
 import socket
-import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..parallel import TPInfo, set_tp_info
+from ..spawn import spawn_context
 from .plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -62,11 +59,7 @@ class TensorParallelGroup:
                              f"{torch.cuda.device_count()} visible (tensor_parallel_backend='gloo' runs the ranks "
                              "on fewer GPUs, for checks, not for speed)")
         self.init_method = f"tcp://127.0.0.1:{free_port()}"
-        ctx = mp.get_context("spawn")
-        exe = sys.executable  # inside Triton's Python-backend stub this is the stub, not a Python
-        if not os.path.basename(exe or "").startswith("python"):
-            exe = shutil.which("python3") or exe
-        ctx.set_executable(exe)
+        ctx = spawn_context()
         cfg = dataclasses.asdict(config)
         self.procs = [ctx.Process(target=worker_main, args=(rank, self.world_size, self.init_method, cfg, str(device)),
                                   daemon=True, name=f"freetoken-tp-rank{rank}")

@@ -186,9 +186,10 @@ class EngineLoop:
                 os.close(fd)
             except OSError:
                 pass
-        engine = getattr(self.sched, "engine", None)
-        if hasattr(engine, "close"):  # tensor-parallel workers stop with the model (finalize)
-            engine.close()
+        # the engine process (serving/engine_process.py) and tensor-parallel workers stop with the model
+        owner = self.sched if hasattr(self.sched, "close") else getattr(self.sched, "engine", None)
+        if hasattr(owner, "close"):
+            owner.close()
 
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:

@@ -90,8 +90,6 @@ class TritonTransport:
 class FreetokenModel:
     def __init__(self, pb_utils: Any, args: dict[str, Any]) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        from freetoken_core.scheduler.scheduler import Scheduler
-
         self.pb = pb_utils
         self.model_name = args.get("model_name", "freetoken")
         model_config = json.loads(args["model_config"])
@@ -102,7 +100,17 @@ class FreetokenModel:
             log.warning("TEST ONLY: fault injection is on: %s", faults)
         config = engine_config_from_params(params)
         log.info("starting engine: %s", config)
-        self.sched = Scheduler(config)
+        if self.options["engine_process"]:
+            from freetoken_core.serving.engine_process import EngineClient
+
+            # the fault hook goes into the child with the scheduler it wraps
+            self.sched = EngineClient(config, [f for f in faults if f.kind != "init"])
+        else:
+            from freetoken_core.scheduler.scheduler import Scheduler
+
+            self.sched = Scheduler(config)
+            if faults:
+                install_fault_hook(self.sched, faults)
         self.max_tokens_limit = int(self.options["max_tokens_limit"]) or None
         self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
         probe_ms = self.options["nonstream_cancel_probe_ms"]
@@ -122,8 +130,6 @@ class FreetokenModel:
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,
         )
-        if faults:
-            install_fault_hook(self.sched, faults)
         self.loop.start()
         try:
             if any(f.kind == "init" for f in faults):

@@ -1,0 +1,152 @@
+"""The served engine in a child process (serving/engine_process.py): the Scheduler's interface over
+pipes must give what the in-process Scheduler gives (tokens, refusals, aborts, stats), and a child
+that dies must end the engine as a device fault does, never hang it. Through tritonserver the child
+is the default, so every tests/serving server test runs it too."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.config import EngineConfig
+from freetoken_core.messages import DetokenizeMsg
+from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.engine_process import EngineClient, EngineProcessError, decode, encode
+from freetoken_core.serving.faults import is_device_fatal
+from freetoken_core.serving.request import ParsedRequest
+
+PROMPTS = ["Write one sentence about cats.", "Dis bonjour en français.", "数到五", "def fib(n):"]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path, dtype="float32", max_running_req=2)
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_path):
+    c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2))
+    yield c
+    c.close()
+
+
+def run_all(client: EngineClient, timeout_s: float = 120.0) -> dict[int, list[DetokenizeMsg]]:
+    out: dict[int, list[DetokenizeMsg]] = {}
+    deadline = time.monotonic() + timeout_s
+    while client.has_work():
+        assert time.monotonic() < deadline, "the engine process stopped answering"
+        for m in client.step():
+            out.setdefault(m.uid, []).append(m)
+    return out
+
+
+def idle_stats(client: EngineClient):
+    """The snapshot the child sends once it has nothing left to do (it may trail the last message)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = client.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        client.step()
+
+
+def test_messages_cross_the_pipe_field_for_field():
+    msg = DetokenizeMsg(7, [1, 2], finished=True, finish_reason="stop", stop_reason="</s>", logprobs=[-0.5, -1.0],
+                        top_logprobs=[{1: -0.5}, {2: -1.0}], num_prompt_tokens=3, num_output_tokens=9,
+                        spec_accepted=4, spec_proposed=6)
+    msg.error = "set after construction, as Scheduler.fail_step does"
+    assert decode(encode(msg)) == msg
+
+
+def test_greedy_tokens_equal_the_in_process_engine(llm, client):
+    """More prompts than max_running_req: they queue in the child and come out exactly as in-process."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = llm.generate(PROMPTS, params)
+    uids = [client.add_request(llm.encode(p), params) for p in PROMPTS]
+    out = run_all(client)
+    for uid, exp in zip(uids, expected):
+        msgs = out[uid]
+        assert [t for m in msgs for t in m.next_tokens] == exp.token_ids
+        assert [m.finished for m in msgs] == [False] * (len(msgs) - 1) + [True]
+        assert msgs[-1].finish_reason == "length"
+    stats = idle_stats(client)
+    assert stats.num_free_pages == stats.num_total_pages
+
+
+def test_a_refused_request_ends_with_the_schedulers_error(llm, client):
+    too_long = [1] * (client.max_req_len + 5)
+    bad_uid = client.add_request(too_long, SamplingParams(max_tokens=4))
+    oov_uid = client.add_request([10 ** 8], SamplingParams(max_tokens=4))
+    ok_uid = client.add_request(llm.encode("Hi"), SamplingParams(max_tokens=4, ignore_eos=True))
+    out = run_all(client)
+    for uid, words in ((bad_uid, "the limit is"), (oov_uid, "outside the vocabulary")):
+        (msg,) = out[uid]
+        assert msg.finished and msg.finish_reason == "error" and words in msg.error and not msg.next_tokens
+    assert sum(len(m.next_tokens) for m in out[ok_uid]) == 4
+
+
+def test_abort_ends_a_request_and_frees_its_pages(llm, client):
+    uid = client.add_request(llm.encode("Tell me a long story."), SamplingParams(max_tokens=500, ignore_eos=True))
+    got = []
+    while not got:
+        got = client.step()
+    assert client.abort(uid)
+    out = run_all(client)
+    assert out[uid][-1].finished and out[uid][-1].finish_reason == "abort"
+    assert not client.abort(uid)  # finished: nothing to abort
+    stats = idle_stats(client)
+    assert stats.num_free_pages == stats.num_total_pages
+
+
+class Recording:
+    def __init__(self, expected: int) -> None:
+        self.sent: dict[str, list[tuple]] = {}
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.expected = expected
+
+    def send(self, handle, outputs, error, final) -> None:
+        with self.lock:
+            self.sent.setdefault(handle, []).append((outputs, error, final))
+            if sum(1 for r in self.sent.values() if r[-1][2]) == self.expected:
+                self.done.set()
+
+    def is_cancelled(self, handle) -> bool:
+        return False
+
+
+def test_a_dead_engine_process_fails_every_request_once_and_never_hangs(smollm2_path, llm):
+    """The child killed mid-stream (an OOM kill, a segfault): step() raises EngineProcessError, which is
+    device-fatal, so EngineLoop gives each request one FINAL error and refuses new ones."""
+    client = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2))
+    transport = Recording(expected=3)
+    loop = EngineLoop(client, transport, LoopOptions())
+    loop.start()
+    try:
+        params = SamplingParams(max_tokens=2000, ignore_eos=True)
+        for i in range(2):
+            loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(PROMPTS[i]), params=params, stream=True))
+        deadline = time.monotonic() + 60
+        while not all(transport.sent.get(f"h{i}") for i in range(2)):  # both stream
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        client._proc.kill()
+        deadline = time.monotonic() + 30
+        while loop.dead is None:
+            assert time.monotonic() < deadline, "a dead engine process went unnoticed"
+            time.sleep(0.01)
+        loop.submit("late", ParsedRequest(input_ids=[1, 2], params=params, stream=True))
+        assert transport.done.wait(30)
+    finally:
+        loop.stop()
+    assert "engine process exited" in loop.dead
+    for handle in ("h0", "h1", "late"):
+        finals = [r for r in transport.sent[handle] if r[2]]
+        assert len(finals) == 1 and finals[0][1] and "engine process" in finals[0][1]
+    with pytest.raises(EngineProcessError) as err:
+        client.step()
+    assert is_device_fatal(err.value)
