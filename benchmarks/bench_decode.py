@@ -238,6 +238,7 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
         max_running_req=max_bs, page_size=args.page_size, max_seq_len=max(max(args.prompts) + args.out_tokens + 16, args.prefill + 16),
         max_extend_tokens=max(args.prefill, 8192), load_format="dummy" if dummy else "auto",
         memory_fraction=0.8, cuda_graph=not args.no_graph, tensor_parallel_size=args.tp,
+        linear_state_dtype=args.linear_state_dtype,
     )
     t0 = time.perf_counter()
     sched = Scheduler(cfg)  # shape dirs hold only config.json: token ids in, token ids out
@@ -303,6 +304,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks on GPUs 0..tp-1)")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--hf-tokens", type=int, default=64)
+    ap.add_argument("--linear-state-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="hybrid (GDN) shapes: the recurrent state's dtype (issue 15 reports both)")
     args = ap.parse_args()
     args.bs = [int(x) for x in args.bs.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]

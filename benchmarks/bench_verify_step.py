@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--rows-gemm", default="auto", choices=["auto", "all", "off"])
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--memory-fraction", type=float, default=0.5, help="EngineConfig.memory_fraction")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: the pipelined verify step is a CUDA graph")
@@ -43,7 +44,7 @@ def main() -> None:
     model = write_shape(args.shape, Path(tempfile.mkdtemp()))
     sched = Scheduler(EngineConfig(
         model_path=str(model), load_format="dummy", dtype="bfloat16", device="cuda", max_running_req=4,
-        page_size=16, kv_cache_gb=2.0, memory_fraction=0.5, speculative="ngram", num_speculative_tokens=args.k,
+        page_size=16, kv_cache_gb=2.0, memory_fraction=args.memory_fraction, speculative="ngram", num_speculative_tokens=args.k,
     ))
     prompt = list(range(100, 140)) * 6  # repetitive: the drafter always proposes
     for _ in range(2):  # the first run warms up; the second is timed

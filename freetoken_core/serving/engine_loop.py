@@ -2,18 +2,10 @@
 
 Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
 thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
-round trip to the server), runs `Scheduler.step()` and turns each DetokenizeMsg into a response.
-Responses go through a queue to the sender thread, so a slow `send()` never stalls a step: the
-engine thread hands over each step's messages in one queue item (the least Python per response on the
-thread the engine's speed depends on), and the sender builds and sends them.
-
-Flow control (issue 13): a streamed ensemble response is acked by the detokenizer once it went on
-(serving/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
-tokens wait meanwhile and go out merged in one response as soon as the ack comes. So while the
-detokenizer keeps up every step's tokens get their own response (stream_interval = 1), and only while
-it is behind (a time-based rule: the previous response is still queued) do steps merge; the first
-token never waits. With one in flight per stream, a stream's responses also stay in order across
-several detokenizer instances (each acks only after its send returned).
+round trip to the server), runs `Scheduler.step()` (or takes the steps of the engine process,
+serving/engine_process.py) and hands each step's messages to the sender thread in one item
+(serving/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
+detokenizer's acks) and sends.
 
 Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
 client cancel. The Triton objects stay behind `Transport` so this file runs in unit tests too.
@@ -22,15 +14,11 @@ client cancel. The Triton objects stay behind `Transport` so this file runs in u
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
-
-import numpy as np
+from typing import Any, Callable
 
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.metrics import EngineMetrics
@@ -38,20 +26,13 @@ from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.cancel import CancelChannel
 from freetoken_core.serving.faults import is_device_fatal
 from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, build_probe
+from freetoken_core.serving.sender import ResponseSender, Transport
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
 
 # how often a stream's responses carry its cancel key (= CancelCheckLimiter's default interval)
 CANCEL_KEY_INTERVAL_S = 0.2
-
-
-class Transport(Protocol):
-    """What the loop needs from Triton's InferenceResponseSender (one `handle` per request)."""
-
-    def send(self, handle: Any, outputs: dict[str, np.ndarray] | None, error: str | None, final: bool) -> None: ...
-
-    def is_cancelled(self, handle: Any) -> bool: ...
 
 
 @dataclass
@@ -116,9 +97,6 @@ class ActiveRequest:
                                       self.parsed.omit_outputs, ack)
 
 
-ACK_UID_MASK = 0x7FFFFFFF  # uids travel in an int32 (response meta)
-
-
 class EngineLoop:
     def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
                  metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None) -> None:
@@ -131,30 +109,20 @@ class EngineLoop:
         self.metrics = metrics or EngineMetrics()
         self._inbox: queue.SimpleQueue[tuple[Any, ParsedRequest, float]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        # one item per engine step (a list of sends), or None to stop; see _sender_main for the shapes
-        self._outbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
-        # wakes the sender (select) when the outbox gets an item; acks wake it on their own socket
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
         self._active: dict[int, ActiveRequest] = {}
         # requests whose response could not be sent (client gone): the engine thread aborts them
         self._undeliverable: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cancel_channel = CancelChannel()  # cancels that reach the detokenizer (see cancel.py)
-        # sender thread only: streams that wait for acks (masked uid -> request); whether acks come at all
-        self._acked_streams: dict[int, ActiveRequest] = {}
-        self._acks_seen = False
-        self._flow_control = self.opt.max_inflight > 0
+        self.sender = ResponseSender(transport, self.opt, self._cancel_channel, self._undeliverable_handle)
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)
         self._anchors = scheduler.tokenizer.anchors
         self._engine_thread = threading.Thread(target=self._engine_main, name="freetoken-engine", daemon=True)
-        self._sender_thread = threading.Thread(target=self._sender_main, name="freetoken-sender", daemon=True)
 
     # --- called from Triton's execute() thread --------------------------------------------------
     def start(self) -> None:
         self._engine_thread.start()
-        self._sender_thread.start()
+        self.sender.start()
 
     def submit(self, handle: Any, parsed: ParsedRequest) -> None:
         self._inbox.put((handle, parsed, time.perf_counter()))
@@ -166,26 +134,20 @@ class EngineLoop:
         self._post([(handle, None, error, True, None)])
 
     def _post(self, items: list[tuple] | None) -> None:
-        self._outbox.put(items)
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):  # the pipe is full: the sender is awake anyway (or closed)
-            pass
+        self.sender.post(items)
+
+    def _undeliverable_handle(self, handle: Any) -> None:
+        """From the sender thread: a send failed (the client is gone); the engine thread aborts it."""
+        self._undeliverable.put(handle)
+        self._wake.set()
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stopping.set()
         self._wake.set()
         if self._engine_thread.is_alive():
             self._engine_thread.join(timeout)
-        self._post(None)
-        if self._sender_thread.is_alive():
-            self._sender_thread.join(timeout)
+        self.sender.stop(timeout)
         self._cancel_channel.close()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
         # the engine process (serving/engine_process.py) and tensor-parallel workers stop with the model
         owner = self.sched if hasattr(self.sched, "close") else getattr(self.sched, "engine", None)
         if hasattr(owner, "close"):
@@ -370,122 +332,3 @@ class EngineLoop:
             self.metrics.set_engine_stats(self.sched.stats())
         except Exception:
             log.exception("metrics update failed")
-
-    # --- sender thread --------------------------------------------------------------------------
-    def _sender_main(self) -> None:
-        """Send responses in order per request. Streamed messages of a request that wait (the transport
-        was busy, stream_interval, or the flow control's ack) go out merged into one response (all
-        their next_tokens). Outbox items are lists of (st, msg) (streamed) and (handle, outputs, error,
-        final, st | None) (as is; st's waiting messages go first)."""
-        waiting: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]] = {}  # uid -> messages (in order)
-        stopping = False
-        while not stopping:
-            if self._outbox.empty():
-                timeout = None if not waiting else self.opt.ack_timeout_s / 4
-                fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if self._acked_streams else [])
-                try:
-                    select.select(fds, [], [], timeout)
-                except (OSError, ValueError):
-                    pass
-            try:
-                os.read(self._wake_r, 1 << 16)
-            except (BlockingIOError, OSError):
-                pass
-            while True:
-                try:
-                    batch = self._outbox.get_nowait()
-                except queue.Empty:
-                    break
-                if batch is None:
-                    stopping = True
-                    continue
-                for item in batch:
-                    if len(item) == 2:
-                        st, msg = item
-                        entry = waiting.get(st.uid)
-                        if entry is None:
-                            waiting[st.uid] = (st, [msg])
-                        else:
-                            entry[1].append(msg)
-                        continue
-                    handle, outputs, error, final, st = item
-                    if st is not None:
-                        entry = waiting.pop(st.uid, None)
-                        if entry is not None:  # keep order: this request's tokens first
-                            self._send_stream(*entry)
-                        if final:
-                            self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
-                    self._send(handle, outputs, error, final)
-            if self._acked_streams:
-                self._drain_acks()
-            now = time.perf_counter()
-            for uid in list(waiting):
-                st, msgs = waiting[uid]
-                if stopping or self._may_send(st, msgs, now):
-                    del waiting[uid]
-                    self._send_stream(st, msgs)
-
-    def _may_send(self, st: ActiveRequest, msgs: list[DetokenizeMsg], now: float) -> bool:
-        finished = msgs[-1].finished
-        if st.streamed and not finished and self.opt.stream_interval > 1:
-            if sum(len(m.next_tokens) for m in msgs) < self.opt.stream_interval:
-                return False
-        if not st.unacked or len(st.unacked) < self.opt.max_inflight:
-            return True
-        # acks lost (or a detokenizer that sends none): such a response counts as delivered
-        limit = self.opt.ack_lost_s if self._acks_seen else self.opt.ack_timeout_s
-        late = [seq for seq, t in st.unacked.items() if now - t >= limit]
-        for seq in late:
-            del st.unacked[seq]
-        if late and self._acks_seen:
-            log.warning("request %d: no ack from the detokenizer for %.0f s; sending on", st.uid, limit)
-        if late and not self._acks_seen and self._flow_control:
-            log.warning("the detokenizer acks no responses (an older model.py?): streaming without flow "
-                        "control, so responses of one stream may overtake each other across instances")
-            self._flow_control = False
-        return len(st.unacked) < self.opt.max_inflight
-
-    def _drain_acks(self) -> None:
-        streams = self._acked_streams
-        for arr in self._cancel_channel.poll_acks():
-            self._acks_seen = True
-            acks = arr.tolist()
-            for i in range(0, len(acks) - 1, 2):
-                st = streams.get(acks[i])
-                if st is not None:
-                    st.unacked.pop(acks[i + 1], None)
-
-    def _send_stream(self, st: ActiveRequest, msgs: list[DetokenizeMsg]) -> None:
-        last = msgs[-1]
-        if len(msgs) == 1:
-            tokens, logprobs = last.next_tokens, last.logprobs or None
-        else:
-            tokens = [t for m in msgs for t in m.next_tokens]
-            logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
-        if not tokens and not last.finished:
-            return
-        now = time.perf_counter()
-        ack = None
-        if st.cancel_key and st.parsed.detok_acks and not last.finished and self._flow_control:
-            uid = st.uid & ACK_UID_MASK
-            ack = (self._cancel_channel.engine_id, uid, st.seq)
-            st.unacked[st.seq] = now
-            st.seq += 1
-            self._acked_streams[uid] = st
-        context = st.output_ids[st.window.start():]
-        outputs = st.outputs(last, tokens, logprobs, context, "", now, ack)
-        st.output_ids.extend(tokens)
-        st.window.push(tokens)
-        st.streamed = True
-        if last.finished:
-            self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
-        self._send(st.handle, outputs, None, last.finished)
-
-    def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None:
-        try:
-            self.transport.send(handle, outputs, error, final)
-        except Exception as e:  # a client that went away: stop generating for it
-            log.info("send failed (%s: %s): aborting the request", type(e).__name__, e)
-            if not final:
-                self._undeliverable.put(handle)
-                self._wake.set()

@@ -1,0 +1,246 @@
+"""The `freetoken` model's sender thread: every response goes out here, in order per request.
+
+The engine thread (serving/engine_loop.py) hands over each engine step's messages as one outbox item
+(the least Python per response on the thread the engine's speed depends on); this thread builds and
+sends them. Streamed messages of a request that wait (the transport was busy, stream_interval, or the
+flow control's ack) go out merged into one response (all their next_tokens).
+
+Flow control (issue 13): a streamed ensemble response is acked by the detokenizer once it went on
+(serving/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
+tokens wait meanwhile and go out merged in one response as soon as the ack comes. So while the
+detokenizer keeps up every step's tokens get their own response (stream_interval = 1), and only while
+it is behind do steps merge; the first token never waits. With one in flight per stream, a stream's
+responses also stay in order across several detokenizer instances (each acks only after its send
+returned).
+
+Every REPORT_INTERVAL_S while it sends, the thread logs its rate and where a response's time goes
+(`send()` itself, the ack round trip through the ensemble), so a served benchmark shows which part of
+the served path sets the pace.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from freetoken_core.messages import DetokenizeMsg
+from freetoken_core.serving.cancel import CancelChannel
+
+if TYPE_CHECKING:
+    from freetoken_core.serving.engine_loop import ActiveRequest, LoopOptions
+
+log = logging.getLogger(__name__)
+
+ACK_UID_MASK = 0x7FFFFFFF  # uids travel in an int32 (response meta)
+REPORT_INTERVAL_S = 10.0
+
+
+class Transport(Protocol):
+    """What the loop needs from Triton's InferenceResponseSender (one `handle` per request)."""
+
+    def send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None: ...
+
+    def is_cancelled(self, handle: Any) -> bool: ...
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else 0.0
+
+
+@dataclass
+class SenderReport:
+    """What the sender did since the last report (sender thread only)."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    responses: int = 0
+    tokens: int = 0
+    send_s: list[float] = field(default_factory=list)  # each transport.send()
+    ack_rtt_s: list[float] = field(default_factory=list)  # a streamed response's send -> its ack
+
+    def line(self, now: float) -> str:
+        dt = max(now - self.t0, 1e-9)
+        send, rtt = sorted(self.send_s), sorted(self.ack_rtt_s)
+        text = (f"sender: {self.responses / dt:.0f} responses/s, {self.tokens / dt:.0f} streamed tokens/s "
+                f"({self.tokens / max(self.responses, 1):.2f} per response), send() p50/p99 "
+                f"{1e6 * percentile(send, 0.5):.0f}/{1e6 * percentile(send, 0.99):.0f} us, busy "
+                f"{sum(send) / dt:.0%}")
+        if rtt:
+            text += (f", detokenizer ack round trip p50/p99 {1e3 * percentile(rtt, 0.5):.1f}/"
+                     f"{1e3 * percentile(rtt, 0.99):.1f} ms")
+        return text
+
+
+class ResponseSender:
+    """The sender thread. `post` takes a list of items (one engine step's), or None to stop:
+    (st, msg) for a streamed message (merged, held and built here), (handle, outputs, error, final,
+    st | None) for a response as is (st's waiting messages go first)."""
+
+    def __init__(self, transport: Transport, options: "LoopOptions", cancel_channel: CancelChannel,
+                 on_undeliverable: Callable[[Any], None]) -> None:
+        self.transport = transport
+        self.opt = options
+        self._cancel_channel = cancel_channel
+        self._on_undeliverable = on_undeliverable  # a send failed (client gone): the engine aborts it
+        self._outbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
+        # wakes the thread (select) when the outbox gets an item; acks wake it on their own socket
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        # streams that wait for acks (masked uid -> request); whether acks come at all
+        self._acked_streams: dict[int, ActiveRequest] = {}
+        self._acks_seen = False
+        self._flow_control = self.opt.max_inflight > 0
+        self._report = SenderReport()
+        self._thread = threading.Thread(target=self._run, name="freetoken-sender", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def post(self, items: list[tuple] | None) -> None:
+        self._outbox.put(items)
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # the pipe is full: the sender is awake anyway (or closed)
+            pass
+
+    def stop(self, timeout: float) -> None:
+        self.post(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _run(self) -> None:
+        waiting: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]] = {}  # uid -> messages (in order)
+        stopping = False
+        while not stopping:
+            if self._outbox.empty():
+                timeout = None if not waiting else self.opt.ack_timeout_s / 4
+                fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if self._acked_streams else [])
+                try:
+                    select.select(fds, [], [], timeout)
+                except (OSError, ValueError):
+                    pass
+            try:
+                os.read(self._wake_r, 1 << 16)
+            except (BlockingIOError, OSError):
+                pass
+            while True:
+                try:
+                    batch = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if batch is None:
+                    stopping = True
+                    continue
+                for item in batch:
+                    if len(item) == 2:
+                        st, msg = item
+                        entry = waiting.get(st.uid)
+                        if entry is None:
+                            waiting[st.uid] = (st, [msg])
+                        else:
+                            entry[1].append(msg)
+                        continue
+                    handle, outputs, error, final, st = item
+                    if st is not None:
+                        entry = waiting.pop(st.uid, None)
+                        if entry is not None:  # keep order: this request's tokens first
+                            self._send_stream(*entry)
+                        if final:
+                            self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
+                    self._send(handle, outputs, error, final)
+            if self._acked_streams:
+                self._drain_acks()
+            now = time.perf_counter()
+            for uid in list(waiting):
+                st, msgs = waiting[uid]
+                if stopping or self._may_send(st, msgs, now):
+                    del waiting[uid]
+                    self._send_stream(st, msgs)
+            if now - self._report.t0 >= REPORT_INTERVAL_S:
+                if self._report.responses:
+                    log.info("%s", self._report.line(now))
+                self._report = SenderReport(t0=now)
+
+    def _may_send(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], now: float) -> bool:
+        finished = msgs[-1].finished
+        if st.streamed and not finished and self.opt.stream_interval > 1:
+            if sum(len(m.next_tokens) for m in msgs) < self.opt.stream_interval:
+                return False
+        if not st.unacked or len(st.unacked) < self.opt.max_inflight:
+            return True
+        # acks lost (or a detokenizer that sends none): such a response counts as delivered
+        limit = self.opt.ack_lost_s if self._acks_seen else self.opt.ack_timeout_s
+        late = [seq for seq, t in st.unacked.items() if now - t >= limit]
+        for seq in late:
+            del st.unacked[seq]
+        if late and self._acks_seen:
+            log.warning("request %d: no ack from the detokenizer for %.0f s; sending on", st.uid, limit)
+        if late and not self._acks_seen and self._flow_control:
+            log.warning("the detokenizer acks no responses (an older model.py?): streaming without flow "
+                        "control, so responses of one stream may overtake each other across instances")
+            self._flow_control = False
+        return len(st.unacked) < self.opt.max_inflight
+
+    def _drain_acks(self) -> None:
+        streams = self._acked_streams
+        now = time.perf_counter()
+        rtts = self._report.ack_rtt_s
+        for arr in self._cancel_channel.poll_acks():
+            self._acks_seen = True
+            acks = arr.tolist()
+            for i in range(0, len(acks) - 1, 2):
+                st = streams.get(acks[i])
+                if st is not None:
+                    sent = st.unacked.pop(acks[i + 1], None)
+                    if sent is not None:
+                        rtts.append(now - sent)
+
+    def _send_stream(self, st: "ActiveRequest", msgs: list[DetokenizeMsg]) -> None:
+        last = msgs[-1]
+        if len(msgs) == 1:
+            tokens, logprobs = last.next_tokens, last.logprobs or None
+        else:
+            tokens = [t for m in msgs for t in m.next_tokens]
+            logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
+        if not tokens and not last.finished:
+            return
+        now = time.perf_counter()
+        ack = None
+        if st.cancel_key and st.parsed.detok_acks and not last.finished and self._flow_control:
+            uid = st.uid & ACK_UID_MASK
+            ack = (self._cancel_channel.engine_id, uid, st.seq)
+            st.unacked[st.seq] = now
+            st.seq += 1
+            self._acked_streams[uid] = st
+        context = st.output_ids[st.window.start():]
+        outputs = st.outputs(last, tokens, logprobs, context, "", now, ack)
+        st.output_ids.extend(tokens)
+        st.window.push(tokens)
+        st.streamed = True
+        if last.finished:
+            self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
+        self._report.tokens += len(tokens)
+        self._send(st.handle, outputs, None, last.finished)
+
+    def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.transport.send(handle, outputs, error, final)
+        except Exception as e:  # a client that went away: stop generating for it
+            log.info("send failed (%s: %s): aborting the request", type(e).__name__, e)
+            if not final:
+                self._on_undeliverable(handle)
+        report = self._report
+        report.responses += 1
+        report.send_s.append(time.perf_counter() - t0)
