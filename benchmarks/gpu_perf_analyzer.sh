@@ -5,7 +5,7 @@
 #   source .gpu-bundle/setup.sh && bash benchmarks/gpu_perf_analyzer.sh MODEL_DIR|SHAPE [EXTRA serve args ...]
 #   e.g.  bash benchmarks/gpu_perf_analyzer.sh smollm2-135m        (random weights, SmolLM2's tokenizer)
 #         bash benchmarks/gpu_perf_analyzer.sh llama-3.2-1b
-#   CONCURRENCY="1 16 64 128" SSE_CONCURRENCY="16 64" OUT_TOKENS=128 MAX_RUNNING=128 PA_MS=6000 SSE_S=10 ...
+#   CONCURRENCY="1 16 64 128" SSE_CONCURRENCY="16 64" OUT_TOKENS=128 MAX_RUNNING=128 PA_MS=6000 PA_TRIALS=6 SSE_S=10 ...
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
 # of TOKENIZER_DIR (default: the SmolLM2 dir freetoken_core resolves), served with load_format=dummy.
 # A MODEL_DIR may hold only config.json + tokenizer files with `--param load_format=dummy` too.
@@ -54,7 +54,7 @@ for target in ensemble freetoken; do
   for c in $conc; do
     timeout 120 perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
-      --measurement-interval "$pa_ms" --stability-percentage 50 --max-trials 3 --percentile 50 \
+      --measurement-interval "$pa_ms" --stability-percentage 50 --max-trials "${PA_TRIALS:-6}" --percentile 50 \
       -f "$work/$target-$c.csv" --verbose-csv > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
   done
 done
@@ -66,7 +66,7 @@ python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/m
   | grep -E "^nv_inference_(exec|request_success)_count.*detokenizer|^freetoken_(generation_tokens|request_finished)" | head -12 || true
 # the freetoken model's sender (serving/sender.py) logs its rate, send() cost and the detokenizer ack round
 # trip every 10 s: which part of the served path set the pace in each run above
-grep -o "sender: .*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
+grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
 printf '%s\n' "${sse_rows[@]}"
