@@ -56,6 +56,8 @@ class LoopOptions:
     # because a late ack that is waited for keeps order across detokenizer instances, one not waited for
     # may not; a stream whose ack never comes is cancelled or failed by the other paths long before
     ack_lost_s: float = 30.0
+    # threads that call transport.send (serving/sender.py SendWorkers); 1 = the sender thread itself
+    sender_threads: int = 1
 
 
 @dataclass
@@ -79,6 +81,10 @@ class ActiveRequest:
     # flow control (sender thread): seq of the next acked response; seq -> when it was sent
     seq: int = 0
     unacked: dict[int, float] = field(default_factory=dict)
+    # send workers (sender_threads > 1): responses handed to this request's worker (sender thread) and
+    # delivered by it (the worker); one writer each
+    handed: int = 0
+    delivered: int = 0
 
     def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
                 context: list[int], prompt_text: str, now: float,

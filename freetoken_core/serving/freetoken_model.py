@@ -19,7 +19,7 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
-    engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
+    engine_config_from_params, parse_model_config_params, sender_threads, serving_options, stream_interval,
 )
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
@@ -126,6 +126,7 @@ class FreetokenModel:
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
                 max_inflight=max_inflight(self.options["detok_max_inflight"], args.get("model_repository", "")),
+                sender_threads=sender_threads(self.options),
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,

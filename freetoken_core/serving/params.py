@@ -46,6 +46,10 @@ SERVING_DEFAULTS: dict[str, str] = {
     # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine
     # thread runs in this process beside the sender (one GIL for both: slower at many streams).
     "engine_process": "1",
+    # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
+    # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
+    # request stays on one thread (its order holds). 1 = the sender thread sends itself.
+    "sender_threads": "1",
 }
 
 
@@ -131,6 +135,13 @@ def serving_options(params: Mapping[str, str]) -> dict[str, float]:
         except ValueError:
             raise ValueError(f"serving parameter {name}={raw!r} is not a number") from None
     return out
+
+
+def sender_threads(options: Mapping[str, float]) -> int:
+    value = options["sender_threads"]
+    if value != int(value) or not 1 <= value <= 64:
+        raise ValueError(f"serving parameter sender_threads must be a whole number from 1 to 64, got {value:g}")
+    return int(value)
 
 
 def stream_interval(options: Mapping[str, float]) -> int:

@@ -76,6 +76,44 @@ class SenderReport:
         return text
 
 
+class SendWorkers:
+    """Threads that call transport.send for the sender thread (`sender_threads` > 1).
+
+    Triton's `InferenceResponseSender.send()` releases the GIL and waits for the server to take the
+    response (python_backend's ResponseSender::Send: one IPC round trip to a server thread per
+    response), so one thread has at most one response in flight. Several workers keep several in
+    flight. A request always goes to the same worker (by its handle), so its responses stay in order;
+    its next streamed response waits until the last one was delivered (`ActiveRequest.handed` /
+    `delivered`), so a backlog merges into fewer responses instead of piling up in a queue."""
+
+    def __init__(self, count: int, deliver: Callable[[tuple], None]) -> None:
+        self._deliver = deliver
+        self._queues: list[queue.SimpleQueue[tuple | None]] = [queue.SimpleQueue() for _ in range(count)]
+        self._threads = [threading.Thread(target=self._run, args=(q,), name=f"freetoken-send-{i}", daemon=True)
+                         for i, q in enumerate(self._queues)]
+        for t in self._threads:
+            t.start()
+
+    def put(self, item: tuple) -> None:
+        # by the handle, so a request's responses (streamed, probes, its final) share one queue; mixed,
+        # because object addresses are multiples of 16 or 64 and would all land on one worker
+        h = ((id(item[0]) >> 4) * 2654435761) & 0xFFFFFFFF
+        self._queues[(h >> 16) % len(self._queues)].put(item)
+
+    def _run(self, q: "queue.SimpleQueue[tuple | None]") -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            self._deliver(item)
+
+    def stop(self, timeout: float) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+
 class ResponseSender:
     """The sender thread. `post` takes a list of items (one engine step's), or None to stop:
     (st, msg) for a streamed message (merged, held and built here), (handle, outputs, error, final,
@@ -97,6 +135,7 @@ class ResponseSender:
         self._acks_seen = False
         self._flow_control = self.opt.max_inflight > 0
         self._report = SenderReport()
+        self._workers = SendWorkers(options.sender_threads, self._deliver) if options.sender_threads > 1 else None
         self._thread = threading.Thread(target=self._run, name="freetoken-sender", daemon=True)
 
     def start(self) -> None:
@@ -113,6 +152,8 @@ class ResponseSender:
         self.post(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._workers is not None:  # after the sender thread: everything it handed over goes out
+            self._workers.stop(timeout)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -173,6 +214,8 @@ class ResponseSender:
                 self._report = SenderReport(t0=now)
 
     def _may_send(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], now: float) -> bool:
+        if st.handed != st.delivered:  # a send worker still has this request's previous response
+            return False
         finished = msgs[-1].finished
         if st.streamed and not finished and self.opt.stream_interval > 1:
             if sum(len(m.next_tokens) for m in msgs) < self.opt.stream_interval:
@@ -231,9 +274,20 @@ class ResponseSender:
         if last.finished:
             self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
         self._report.tokens += len(tokens)
-        self._send(st.handle, outputs, None, last.finished)
+        self._send(st.handle, outputs, None, last.finished, st)
 
-    def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None:
+    def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool,
+              st: "ActiveRequest | None" = None) -> None:
+        if self._workers is None:
+            self._deliver((handle, outputs, error, final, None))
+            return
+        if st is not None:
+            st.handed += 1
+        self._workers.put((handle, outputs, error, final, st))
+
+    def _deliver(self, item: tuple) -> None:
+        """One transport.send (on the sender thread, or on a send worker)."""
+        handle, outputs, error, final, st = item
         t0 = time.perf_counter()
         try:
             self.transport.send(handle, outputs, error, final)
@@ -244,3 +298,9 @@ class ResponseSender:
         report = self._report
         report.responses += 1
         report.send_s.append(time.perf_counter() - t0)
+        if st is not None:  # a worker: the sender thread may hand this request's next response over
+            st.delivered += 1
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass

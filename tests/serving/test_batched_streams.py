@@ -2,8 +2,9 @@
 what the stateless detokenizer needs for each (response.build_ensemble_outputs: `meta`, the context
 window, the cancel key only now and then), and the sender thread merging what queues up per request.
 Each stream must still get exactly its own tokens, in order, byte-exact text and one FINAL: with the
-session server (one detokenizer instance on this box) and with two instances and one response in flight
-per stream (the flow control that keeps a stream in order across instances, engine_loop.py)."""
+session server (one detokenizer instance on this box) and with two instances, one response in flight
+per stream (the flow control that keeps a stream in order across instances, serving/sender.py) and four
+send workers (sender_threads=4: several sends in flight at once, each request on one worker)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def two_detokenizers(smollm2_path, tmp_path_factory):
     old = os.environ.get("FREETOKEN_DETOKENIZER_INSTANCES")
     os.environ["FREETOKEN_DETOKENIZER_INSTANCES"] = "2"
     try:
-        handle = start_server({**SERVER_PARAMS, "model_path": smollm2_path, "detok_max_inflight": "1"},
+        handle = start_server({**SERVER_PARAMS, "model_path": smollm2_path, "detok_max_inflight": "1",
+                               "sender_threads": "4"},
                               repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
     finally:
         if old is None:

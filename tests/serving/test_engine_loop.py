@@ -236,3 +236,43 @@ def test_streams_without_detok_acks_are_not_paced(llm):
     responses = transport.sent["h0"]
     assert sum(out["next_tokens"].size for out, _, _ in responses) == 12
     assert all(out["meta"].size <= 3 for out, _, _ in responses if "meta" in out)  # no ack ids asked for
+
+
+class ConcurrentTransport(RecordingTransport):
+    """Sends from several threads at once, each taking a different time: a stream whose responses
+    reached two workers, or one worker that overtook its own queue, would show out of order."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.threads: set[str] = set()
+
+    def send(self, handle, outputs, error, final) -> None:
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.threads.add(threading.current_thread().name)
+            n = len(self.sent.get(handle, []))
+        time.sleep(0.002 * ((hash(handle) + n) % 5))
+        with self.lock:
+            self.in_flight -= 1
+        super().send(handle, outputs, error, final)
+
+
+def test_send_workers_keep_each_stream_in_order_with_one_final(llm):
+    """sender_threads=4: eight streams spread over four send workers that send concurrently; each stream
+    still gets exactly its own tokens, in order, its text exact, one FINAL last."""
+    prompts = [f"Count to {n} in words:" for n in range(3, 11)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=4))
+    assert transport.most_in_flight > 1 and len(transport.threads) > 1  # the workers did overlap
+    for i, exp in enumerate(expected):
+        responses = transport.sent[f"h{i}"]
+        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
+        assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == exp.token_ids
+        text = "".join(
+            detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
+        )
+        assert text == exp.text

@@ -98,3 +98,14 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
     assert max_inflight(3, str(two / "freetoken")) == 3 and max_inflight(0, "") == 1
     with pytest.raises(ValueError, match="detok_max_inflight"):
         max_inflight(-1, "")
+
+
+def test_sender_threads_and_engine_process_parameters():
+    from freetoken_core.serving.params import sender_threads, serving_options
+
+    defaults = serving_options({})
+    assert defaults["engine_process"] == 1 and sender_threads(defaults) == 1
+    assert sender_threads(serving_options({"sender_threads": "8"})) == 8
+    for bad in ("0", "1.5", "65"):
+        with pytest.raises(ValueError, match="sender_threads must be a whole number from 1 to 64"):
+            sender_threads(serving_options({"sender_threads": bad}))
