@@ -137,6 +137,10 @@ class Scheduler:
         self._outbox.append(self._message(req, [], None))
         return True
 
+    def close(self) -> None:
+        """Release what outlives the object: the engine's tensor-parallel worker processes."""
+        self.engine.close()
+
     @property
     def in_flight(self) -> bool:
         """A launched step (plain or pipelined speculative) whose tokens are not committed yet."""

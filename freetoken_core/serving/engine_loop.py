@@ -154,10 +154,7 @@ class EngineLoop:
             self._engine_thread.join(timeout)
         self.sender.stop(timeout)
         self._cancel_channel.close()
-        # the engine process (serving/engine_process.py) and tensor-parallel workers stop with the model
-        owner = self.sched if hasattr(self.sched, "close") else getattr(self.sched, "engine", None)
-        if hasattr(owner, "close"):
-            owner.close()
+        self.sched.close()  # the engine process (engine_process.py) or tensor-parallel workers stop with the model
 
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:

@@ -201,9 +201,7 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
     try:
         EngineServer(sched, cmd_conn, out_conn).run()
     finally:
-        engine = getattr(sched, "engine", None)
-        if hasattr(engine, "close"):
-            engine.close()
+        sched.close()
 
 
 class EngineServer:
