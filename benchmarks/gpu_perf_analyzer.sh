@@ -6,6 +6,10 @@
 #   e.g.  bash benchmarks/gpu_perf_analyzer.sh smollm2-135m        (random weights, SmolLM2's tokenizer)
 #         bash benchmarks/gpu_perf_analyzer.sh llama-3.2-1b
 #   CONCURRENCY="1 16 64 128" SSE_CONCURRENCY="16 64" OUT_TOKENS=128 MAX_RUNNING=128 PA_MS=6000 PA_TRIALS=6 SSE_S=10 ...
+#   TARGETS="ensemble freetoken" (which perf_analyzer targets run)
+#   PYSPY_OUT=DIR PYSPY_AT=64 PYSPY_S=8: while perf_analyzer runs the ensemble at concurrency PYSPY_AT, sample
+#   every Python-backend stub and the engine process with py-spy (on PATH) for PYSPY_S seconds; DIR gets one
+#   `py-spy record --format raw` file per process (collapsed stacks; benchmarks/pa_summary.py top DIR sums them)
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
 # of TOKENIZER_DIR (default: the SmolLM2 dir freetoken_core resolves), served with load_format=dummy.
 # A MODEL_DIR may hold only config.json + tokenizer files with `--param load_format=dummy` too.
@@ -50,8 +54,19 @@ done
 ready || { tail -40 "$work/serve.log"; exit 1; }
 grep -m1 -o "model instances: .*" "$work/serve.log" || true
 echo "server ready"
-for target in ensemble freetoken; do
+profile() {  # py-spy every stub process (named by its model) and the engine child, in the background
+  sleep 3
+  for pid in $(pgrep -f triton_python_backend_stub) $(pgrep -f "multiprocessing.spawn"); do
+    name=$(tr '\0' ' ' < /proc/$pid/cmdline | grep -oE "(tokenizer|detokenizer|freetoken)/1/model.py|spawn" | head -1 | tr '/' '_')
+    py-spy record --pid "$pid" --duration "${PYSPY_S:-8}" --rate 200 --nonblocking --format raw \
+      -o "$PYSPY_OUT/${name:-proc}-$pid.txt" > /dev/null 2>&1 &
+  done
+  wait
+}
+for target in ${TARGETS:-ensemble freetoken}; do
   for c in $conc; do
+    if [ -n "${PYSPY_OUT:-}" ] && [ "$target" = ensemble ] && [ "$c" = "${PYSPY_AT:-64}" ]; then
+      mkdir -p "$PYSPY_OUT"; profile & fi
     timeout 120 perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
       --measurement-interval "$pa_ms" --stability-percentage 50 --max-trials "${PA_TRIALS:-6}" --percentile 50 \

@@ -3,6 +3,7 @@
     python benchmarks/pa_summary.py inputs DIR OUT_TOKENS      # DIR/ensemble.json, DIR/freetoken.json
     python benchmarks/pa_summary.py table DIR OUT_TOKENS 1 16 64 128
     python benchmarks/pa_summary.py sse localhost:8000 CONCURRENCY SECONDS OUT_TOKENS [PROCESSES]
+    python benchmarks/pa_summary.py top DIR [N]    # py-spy raw profiles (gpu_perf_analyzer.sh PYSPY_OUT)
 
 `sse` is a small load generator for Triton's HTTP `generate_stream` (SSE) on the ensemble: CONCURRENCY
 streams spread over PROCESSES client processes (default: one per 8 streams, so the client is not the
@@ -53,6 +54,8 @@ def table(work: Path, out_tokens: int, concurrencies: list[str]) -> str:
     lines = ["| target | concurrency | requests/s | responses/s | tokens/response | tok/s | p50 ms | p99 ms |",
              "|---|---|---|---|---|---|---|---|"]
     for target in ("ensemble", "freetoken"):
+        if not any((work / f"{target}-{c}.txt").exists() for c in concurrencies):
+            continue  # not run (TARGETS)
         for c in concurrencies:
             row = read_row(work / f"{target}-{c}.csv")
             if row is None:
@@ -147,7 +150,38 @@ def sse_load(url: str, concurrency: int, seconds: float, out_tokens: int, proces
             f"errors {tot['errors']}, client cpu {tot['cpu_s'] / seconds:.2f} cores over {len(parts)} procs |")
 
 
+def profile_top(folder: Path, n: int = 12) -> str:
+    """Per py-spy raw profile (lines `frame;frame;... count`): the share of samples spent in each
+    function itself (leaf) and under it (inclusive, once per stack), the top `n` of each."""
+    out = []
+    for path in sorted(folder.glob("*.txt")):
+        leaf: dict[str, int] = {}
+        incl: dict[str, int] = {}
+        total = 0
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not stack or not count.isdigit():
+                continue
+            frames = [f.strip() for f in stack.split(";") if f.strip()]
+            if not frames:
+                continue
+            c = int(count)
+            total += c
+            leaf[frames[-1]] = leaf.get(frames[-1], 0) + c
+            for f in set(frames):
+                incl[f] = incl.get(f, 0) + c
+        out.append(f"== {path.name}: {total} samples")
+        for title, table_ in (("self", leaf), ("inclusive", incl)):
+            out.append(f"  {title}:")
+            for f, c in sorted(table_.items(), key=lambda kv: -kv[1])[:n]:
+                out.append(f"    {100 * c / max(1, total):5.1f}%  {f[:150]}")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "top":
+        print(profile_top(Path(argv[1]), int(argv[2]) if len(argv) > 2 else 12))
+        return 0
     if argv[0] == "sse":
         print(sse_load(argv[1], int(argv[2]), float(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else 0))
         return 0
