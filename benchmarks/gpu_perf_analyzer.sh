@@ -21,7 +21,7 @@ set -euo pipefail
 model=$1; shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 conc=${CONCURRENCY:-"1 16 64 128"}
-sse_conc=${SSE_CONCURRENCY:-"16 64"}
+sse_conc=${SSE_CONCURRENCY-"16 64"}  # set but empty: no SSE rows
 out_tokens=${OUT_TOKENS:-128}
 max_running=${MAX_RUNNING:-128}
 pa_ms=${PA_MS:-6000}

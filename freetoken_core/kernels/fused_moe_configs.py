@@ -65,6 +65,10 @@ DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
     # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.
     (128, 2048, 768, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
                                   "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=2)},
+    # Qwen3.6-35B-A3B (256 experts of 512): `bench_moe_gemv.py --shape all --tokens 1` on the H200,
+    # 2026-12-01 (ninth session): gate_up 12.9 us with the 30B tile -> 10.1 us (3.3 TB/s), down 6.2 -> 6.1 us
+    (256, 2048, 512, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=8, num_stages=3),
+                                  "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)},
 }
 
 

@@ -13,12 +13,6 @@ it is behind do steps merge; the first token never waits. With one in flight per
 responses also stay in order across several detokenizer instances (each acks only after its send
 returned).
 
-Acks are read off their socket by a thread of their own (`AckReceiver`), not between sends: an AF_UNIX
-datagram socket queues at most `net.unix.max_dgram_qlen` datagrams (10 by default, whatever SO_RCVBUF
-says), and a detokenizer whose ack finds the queue full blocks in sendto until it drains. Drained only
-between the sender thread's sends, the queue was full under load: on the H200 at 64 streams the
-detokenizer instances spent 55-60% of their busy time blocked in that sendto (py-spy, issue 13).
-
 Every REPORT_INTERVAL_S while it sends, the thread logs its rate and where a response's time goes
 (`send()` itself, the ack round trip through the ensemble), so a served benchmark shows which part of
 the served path sets the pace.
@@ -120,55 +114,6 @@ class SendWorkers:
             t.join(timeout)
 
 
-class AckReceiver:
-    """A thread that keeps the engine's ack socket drained: it waits on the socket, reads every
-    datagram there (CancelChannel.poll_acks) and hands them to the sender thread (`take`), waking it
-    (`wake`). Reading is all it does, so the socket's short datagram queue never fills."""
-
-    def __init__(self, channel: CancelChannel, wake: Callable[[], None]) -> None:
-        self._channel = channel
-        self._wake = wake
-        self._acks: queue.SimpleQueue[list] = queue.SimpleQueue()
-        self._stop_r, self._stop_w = os.pipe()
-        self._thread = threading.Thread(target=self._run, name="freetoken-acks", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        fds = [self._channel.ack_sock, self._stop_r]
-        while True:
-            try:
-                ready, _, _ = select.select(fds, [], [])
-            except (OSError, ValueError):  # the socket was closed under us
-                return
-            if self._stop_r in ready:
-                return
-            arrays = self._channel.poll_acks()
-            if arrays:
-                self._acks.put(arrays)
-                self._wake()
-
-    def take(self) -> list:
-        """Every ack array received since the last call (sender thread)."""
-        out = []
-        while True:
-            try:
-                out.extend(self._acks.get_nowait())
-            except queue.Empty:
-                return out
-
-    def stop(self, timeout: float) -> None:
-        try:
-            os.write(self._stop_w, b"x")
-        except OSError:
-            pass
-        self._thread.join(timeout)
-        for fd in (self._stop_r, self._stop_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 class ResponseSender:
     """The sender thread. `post` takes a list of items (one engine step's), or None to stop:
     (st, msg) for a streamed message (merged, held and built here), (handle, outputs, error, final,
@@ -191,7 +136,6 @@ class ResponseSender:
         self._flow_control = self.opt.max_inflight > 0
         self._report = SenderReport()
         self._workers = SendWorkers(options.sender_threads, self._deliver) if options.sender_threads > 1 else None
-        self._acks = AckReceiver(cancel_channel, self._wake)
         self._thread = threading.Thread(target=self._run, name="freetoken-sender", daemon=True)
 
     def start(self) -> None:
@@ -199,9 +143,6 @@ class ResponseSender:
 
     def post(self, items: list[tuple] | None) -> None:
         self._outbox.put(items)
-        self._wake()
-
-    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):  # the pipe is full: the sender is awake anyway (or closed)
@@ -213,7 +154,6 @@ class ResponseSender:
             self._thread.join(timeout)
         if self._workers is not None:  # after the sender thread: everything it handed over goes out
             self._workers.stop(timeout)
-        self._acks.stop(timeout)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -226,8 +166,9 @@ class ResponseSender:
         while not stopping:
             if self._outbox.empty():
                 timeout = None if not waiting else self.opt.ack_timeout_s / 4
+                fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if self._acked_streams else [])
                 try:
-                    select.select([self._wake_r], [], [], timeout)
+                    select.select(fds, [], [], timeout)
                 except (OSError, ValueError):
                     pass
             try:
@@ -259,7 +200,8 @@ class ResponseSender:
                         if final:
                             self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
                     self._send(handle, outputs, error, final)
-            self._drain_acks()
+            if self._acked_streams:
+                self._drain_acks()
             now = time.perf_counter()
             for uid in list(waiting):
                 st, msgs = waiting[uid]
@@ -297,7 +239,7 @@ class ResponseSender:
         streams = self._acked_streams
         now = time.perf_counter()
         rtts = self._report.ack_rtt_s
-        for arr in self._acks.take():
+        for arr in self._cancel_channel.poll_acks():
             self._acks_seen = True
             acks = arr.tolist()
             for i in range(0, len(acks) - 1, 2):
@@ -358,4 +300,7 @@ class ResponseSender:
         report.send_s.append(time.perf_counter() - t0)
         if st is not None:  # a worker: the sender thread may hand this request's next response over
             st.delivered += 1
-            self._wake()
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass
