@@ -12,6 +12,13 @@ child; a request the child refuses comes back as a message with finish_reason "e
 scheduler's own words. `step()` returns the messages the child produced since the last call (the
 child steps on its own, back to back). Every message keeps its order: one pipe, one reader.
 
+Shared (`share`: serving/engine_share.py): several `freetoken` model instances, one engine. The
+instance that wins the rendezvous starts the child, which also listens on an AF_UNIX socket; the
+others connect there and get the same interface. Each instance's request ids carry its index in the
+low INDEX_BITS, and the child sends each message to the instance whose request it is. An instance
+that goes away has its requests aborted; when the owner stops the engine, the others' requests end
+with an error saying so (not a device fault: nothing unloads).
+
 Faults: a step fault is handled inside the child (Scheduler.fail_step, as in the stub); a device
 fault, a child that fails to start or one that exits, ends this engine: `step()` raises
 `EngineProcessError`, which serving/faults.py counts as device-fatal (every request gets its FINAL
@@ -21,80 +28,115 @@ error and the model unloads itself).
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-import traceback
+from multiprocessing.connection import Client
 from types import SimpleNamespace
 from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg, EngineStats
-from freetoken_core.serving.faults import DeviceFatalError, FaultSpec, install_fault_hook, is_device_fatal
+from freetoken_core.serving.engine_server import decode, engine_main
+from freetoken_core.serving.engine_share import INDEX_BITS, EngineRendezvous
+from freetoken_core.serving.faults import DeviceFatalError, FaultSpec
 from freetoken_core.spawn import spawn_context
 
 log = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 0.25  # how often a busy child sends its EngineStats (an idle one sends once)
 STEP_WAIT_S = 0.002  # how long step() waits for the child's next messages before the loop looks around
+MEMBER_READY_TIMEOUT_S = 1800.0  # a member waits this long for the owner's engine build (GGUF conversion...)
 
 
 class EngineProcessError(DeviceFatalError):
     """The engine process failed or exited: no later step can run."""
 
 
-def encode(msg: DetokenizeMsg) -> tuple:
-    """A message as a plain tuple in field order (what pickles fastest; the child pays for it per step)."""
-    return tuple(msg.__dict__.values())
-
-
-def decode(fields: tuple) -> DetokenizeMsg:
-    return DetokenizeMsg(*fields)
-
-
 class EngineClient:
     """The Scheduler's interface for EngineLoop, with the Scheduler in a child process."""
 
     def __init__(self, config: EngineConfig, faults: list[FaultSpec] | None = None,
-                 step_wait_s: float = STEP_WAIT_S) -> None:
-        ctx = spawn_context()
-        self._cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
-        self._out_r, self._out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(self._cmd_r, self._out_w, config, list(faults or [])),
-                                 name="freetoken-engine", daemon=False)  # daemonic processes cannot start TP ranks
-        self._proc.start()
-        self._cmd_r.close()
-        self._out_w.close()
+                 step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
+                 member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S) -> None:
         self.step_wait_s = step_wait_s
         self._uids = 0
         self._outstanding: set[int] = set()  # submitted, final message not seen yet
         self._dead: str | None = None  # why the child can run no more steps
+        self._stopped: str | None = None  # the owner stopped the shared engine (a member's view)
         self._early: list[DetokenizeMsg] = []  # messages stats() read from the pipe, for the next step()
         self._closed = False
+        self._proc: Any = None
+        self._share: EngineRendezvous | None = None  # set on the owner: it removes the rendezvous
+        self._index = 0
+        self._uid_shift = INDEX_BITS if share is not None else 0
+        if share is None or share.elect():
+            self._start_child(config, faults, share)
+        else:
+            self._connect(share, member_ready_timeout_s)
+
+    def _start_child(self, config: EngineConfig, faults: list[FaultSpec] | None,
+                     share: EngineRendezvous | None) -> None:
+        listen = None
+        if share is not None:
+            self._share = share
+            listen = (share.address, share.new_authkey())
+        ctx = spawn_context()
+        self._cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
+        self._out_r, self._out_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=engine_main, args=(self._cmd_r, self._out_w, config, list(faults or []), listen),
+                                 name="freetoken-engine", daemon=False)  # daemonic processes cannot start TP ranks
+        self._proc.start()
+        self._cmd_r.close()
+        self._out_w.close()
         kind, info = self._wait_ready()
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the engine process failed to start: {info}")
+        self._ready(info)
+        if share is not None:
+            share.publish_ready()
+        log.info("engine process %d ready%s", self._proc.pid, f" (shared at {share.dir})" if share else "")
+
+    def _connect(self, share: EngineRendezvous, timeout_s: float) -> None:
+        """A member: connect to the engine another instance started."""
+        authkey = share.wait_ready(timeout_s)
+        conn = Client(share.address, family="AF_UNIX", authkey=authkey)
+        self._cmd_w = self._out_r = conn
+        kind, info = self._wait_ready()
+        if kind != "ready":
+            self._closed = True
+            conn.close()
+            raise RuntimeError(f"could not join the shared engine at {share.dir}: {info}")
+        self._index = info["index"]
+        self._ready(info)
+        log.info("joined the shared engine at %s as instance %d", share.dir, self._index)
+
+    def _ready(self, info: dict) -> None:
         self._stats: EngineStats = info["stats"]
         anchors = info["anchors"]
         self.tokenizer = SimpleNamespace(anchors=anchors) if anchors is not None else None
         self.max_req_len: int = info["max_req_len"]
-        log.info("engine process %d ready", self._proc.pid)
 
     def _wait_ready(self) -> tuple[str, Any]:
         # the engine build may take minutes (GGUF conversion, graph capture); Triton's load timeout bounds it
-        while not self._out_r.poll(1.0):
-            if not self._proc.is_alive():
-                return "failed", f"it exited with code {self._proc.exitcode} before it was ready"
         try:
+            while not self._out_r.poll(1.0):
+                if self._proc is not None and not self._proc.is_alive():
+                    return "failed", f"it exited with code {self._proc.exitcode} before it was ready"
             return self._out_r.recv()
         except (EOFError, OSError):
-            return "failed", f"it exited with code {self._proc.exitcode} before it was ready"
+            return "failed", self._exit_text("before it was ready")
+
+    def _exit_text(self, when: str) -> str:
+        if self._proc is None:
+            return f"the shared engine closed its connection {when}"
+        self._proc.join(1.0)
+        return f"the engine process exited (code {self._proc.exitcode}) {when}"
 
     # --- the Scheduler's interface -----------------------------------------------------------
     def add_request(self, input_ids: list[int], params: SamplingParams | None = None) -> int:
-        uid = self._uids
+        uid = (self._uids << self._uid_shift) | self._index
         self._uids += 1
+        if self._stopped is not None:
+            self._early.append(DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=self._stopped))
+            return uid
         self._outstanding.add(uid)
         self._command(("add", uid, list(input_ids), params or SamplingParams()))
         return uid
@@ -118,14 +160,14 @@ class EngineClient:
     def stats(self) -> EngineStats:
         """The child's latest snapshot (sent every STATS_INTERVAL_S while busy and when it goes idle).
         Reads what waits in the pipe first: once idle, nothing else would (step() runs only with work)."""
-        if self._dead is None:
+        if self._dead is None and self._stopped is None:
             self._early += self._receive(0.0)
         return self._stats
 
     def step(self) -> list[DetokenizeMsg]:
         """The messages the child produced since the last call; waits up to step_wait_s for some."""
         msgs, self._early = self._early, []
-        if self._dead is None and not msgs:
+        if self._dead is None and self._stopped is None and not msgs:
             msgs = self._receive(self.step_wait_s)
         if self._dead is not None and not msgs:
             raise EngineProcessError(self._dead)
@@ -148,24 +190,38 @@ class EngineClient:
                 elif kind == "dead":
                     self._dead = payload
                     break
+                elif kind == "stopped":  # a member: the owner stopped the engine
+                    msgs += self._end_outstanding(payload)
+                    break
                 ready = self._out_r.poll()
         except (EOFError, OSError):
-            self._proc.join(1.0)
-            self._dead = f"the engine process exited (code {self._proc.exitcode})"
+            if self._stopped is None:
+                self._dead = self._exit_text("while serving")
         return msgs
+
+    def _end_outstanding(self, reason: str) -> list[DetokenizeMsg]:
+        self._stopped = reason
+        ended = [DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=reason)
+                 for uid in sorted(self._outstanding)]
+        self._outstanding.clear()
+        return ended
 
     def fail_step(self, error: str) -> list[DetokenizeMsg]:
         raise EngineProcessError(f"the engine process cannot recover from: {error}")
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the child (it finishes its step, closes tensor-parallel ranks) and wait for it."""
+        """Stop the child (it finishes its step, closes tensor-parallel ranks) and wait for it; a member
+        only leaves (the engine aborts its requests)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._cmd_w.send(("stop",))
+            self._cmd_w.send(("stop",) if self._proc is not None else ("bye",))
         except (OSError, ValueError):
             pass
+        if self._proc is None:
+            self._cmd_w.close()
+            return
         self._proc.join(timeout)
         if self._proc.is_alive():
             log.warning("engine process %d did not stop in %.0f s: killing it", self._proc.pid, timeout)
@@ -173,123 +229,13 @@ class EngineClient:
             self._proc.join(5.0)
         for conn in (self._cmd_w, self._out_r):
             conn.close()
+        if self._share is not None:  # after the child: its listener's socket lives there
+            self._share.remove()
 
     def _command(self, cmd: tuple) -> None:
-        if self._dead is not None or self._closed:
+        if self._dead is not None or self._closed or self._stopped is not None:
             return  # its final error reaches the client through the dead engine's _fail_all
         try:
             self._cmd_w.send(cmd)
         except (OSError, ValueError) as e:
             self._dead = f"the engine process is gone ({type(e).__name__}: {e})"
-
-
-# --- the child ------------------------------------------------------------------------------------
-def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec]) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
-    try:
-        from freetoken_core.scheduler.scheduler import Scheduler
-
-        sched = Scheduler(config)
-        if faults:
-            install_fault_hook(sched, faults)
-        anchors = sched.tokenizer.anchors if sched.tokenizer is not None else None
-        out_conn.send(("ready", {"anchors": anchors, "stats": sched.stats(), "max_req_len": sched.max_req_len}))
-    except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
-        log.exception("the engine failed to start")
-        out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
-        return
-    try:
-        EngineServer(sched, cmd_conn, out_conn).run()
-    finally:
-        sched.close()
-
-
-class EngineServer:
-    """The child's loop: take commands (a reader thread keeps the command pipe drained, so neither
-    side ever blocks on a full pipe), step the scheduler back to back while it has work, send each
-    step's messages at once."""
-
-    def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any) -> None:
-        self.sched = sched
-        self.out = out_conn
-        self.commands: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self.reader = threading.Thread(target=self._read, args=(cmd_conn,), name="freetoken-engine-commands",
-                                       daemon=True)
-        self.last_stats = 0.0
-        self.stopping = False
-
-    def _read(self, conn: Any) -> None:
-        try:
-            while True:
-                self.commands.put(conn.recv())
-        except (EOFError, OSError):  # the parent is gone: stop
-            self.commands.put(None)
-
-    def run(self) -> None:
-        self.reader.start()
-        sched = self.sched
-        while not self.stopping:
-            self._take_commands(block=not sched.has_work())
-            if self.stopping:
-                break
-            if sched.has_work():
-                try:
-                    msgs = sched.step()
-                except Exception as e:  # noqa: BLE001
-                    msgs = self._on_step_failure(e)
-                    if msgs is None:
-                        return
-                if msgs:
-                    self.out.send(("msgs", [encode(m) for m in msgs]))
-            now = time.perf_counter()
-            if now - self.last_stats >= STATS_INTERVAL_S or not sched.has_work():
-                self.out.send(("stats", sched.stats()))
-                self.last_stats = now
-
-    def _take_commands(self, block: bool) -> None:
-        while True:
-            try:
-                cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()
-            except queue.Empty:
-                if block:
-                    continue
-                return
-            block = False
-            if cmd is None or cmd[0] == "stop":
-                self.stopping = True
-                return
-            if cmd[0] == "add":
-                self._add(*cmd[1:])
-            elif cmd[0] == "abort":
-                self.sched.abort(cmd[1])
-
-    def _add(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
-        try:
-            self.sched.add_request(input_ids, params, uid=uid)
-            return
-        except ValueError as e:
-            error = str(e)
-        except Exception as e:  # noqa: BLE001  never let one bad request kill the loop
-            log.exception("add_request failed")
-            error = f"{type(e).__name__}: {e}"
-        msg = DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=error)
-        self.out.send(("msgs", [encode(msg)]))
-
-    def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg] | None:
-        """As EngineLoop does in the stub: a step fault fails the step's requests and the engine serves
-        on; a device fault (or a scheduler that cannot clean up) tells the parent and ends the child."""
-        what = f"{type(e).__name__}: {e}"
-        if not is_device_fatal(e):
-            log.exception("engine step failed: failing the requests of the step(s) in flight")
-            try:
-                return self.sched.fail_step(f"the engine step running this request failed ({what})")
-            except Exception:  # noqa: BLE001
-                log.exception("recovering from the failed step failed")
-                what = f"the engine failed ({what})"
-        else:
-            log.critical("the device is unusable (%s)", what, exc_info=e)
-        try:
-            self.out.send(("dead", what))
-        except (OSError, ValueError):
-            pass
-        return None

@@ -50,6 +50,12 @@ def check_detokenizer_decoupled(model_dir: str) -> None:
             "nonstream_cancel_probe_ms to 0")
 
 
+def model_instance_count(model_config: dict[str, Any]) -> int:
+    """How many instances Triton starts of this model (the instance groups' counts added up)."""
+    groups = model_config.get("instance_group") or [{}]
+    return sum(int(g.get("count", 1) or 1) for g in groups)
+
+
 def detokenizer_instances(model_dir: str) -> int:
     """The instance count in the ensemble's detokenizer config next to this model (0 = unknown)."""
     cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
@@ -100,11 +106,22 @@ class FreetokenModel:
             log.warning("TEST ONLY: fault injection is on: %s", faults)
         config = engine_config_from_params(params)
         log.info("starting engine: %s", config)
+        instances = model_instance_count(model_config)
+        if instances > 1 and not self.options["engine_process"]:
+            raise ValueError(f"{self.model_name} has {instances} instances (instance_group count), which share one "
+                             "engine process: set engine_process=1, or use one instance")
         if self.options["engine_process"]:
             from freetoken_core.serving.engine_process import EngineClient
+            from freetoken_core.serving.engine_share import MAX_INSTANCES, EngineRendezvous
 
+            if instances > MAX_INSTANCES:
+                raise ValueError(f"{self.model_name} has {instances} instances; one engine serves at most "
+                                 f"{MAX_INSTANCES}")
+            # several instances (stubs: each sends its own requests' responses) share one engine on the GPU
+            share = (EngineRendezvous(f"{self.model_name}-{args.get('model_version', '1')}")
+                     if instances > 1 else None)
             # the fault hook goes into the child with the scheduler it wraps
-            self.sched = EngineClient(config, [f for f in faults if f.kind != "init"])
+            self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 

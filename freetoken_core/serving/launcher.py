@@ -38,8 +38,10 @@ PR_SET_DEATHSIG = 1  # <sys/prctl.h>
 ADMIN_HEADER = "freetoken-admin"
 # Seconds tritonserver waits for in-flight requests after SIGTERM before it exits anyway.
 SERVER_EXIT_TIMEOUT_S = 10
-# Instance counts of the stateless Python models, overridable like the engine parameters.
-INSTANCE_ENV = {"tokenizer": "FREETOKEN_TOKENIZER_INSTANCES", "detokenizer": "FREETOKEN_DETOKENIZER_INSTANCES"}
+# Instance counts, overridable like the engine parameters: the stateless Python models', and the engine
+# model's (its instances share one engine process: serving/engine_share.py).
+INSTANCE_ENV = {"tokenizer": "FREETOKEN_TOKENIZER_INSTANCES", "detokenizer": "FREETOKEN_DETOKENIZER_INSTANCES",
+                "freetoken": "FREETOKEN_FREETOKEN_INSTANCES"}
 
 
 def source_repository() -> Path:

@@ -27,30 +27,35 @@ PROMPTS = ["The capital of France is", MIXED, "def fibonacci(n):", "Once upon a 
 
 
 @pytest.fixture(scope="module")
-def two_detokenizers(smollm2_path, tmp_path_factory):
+def scaled_out(smollm2_path, tmp_path_factory):
     import os
 
     from freetoken_core.serving.launcher import start_server
     from tests.serving.conftest import SERVER_PARAMS
 
     workdir = tmp_path_factory.mktemp("triton2")
-    old = os.environ.get("FREETOKEN_DETOKENIZER_INSTANCES")
-    os.environ["FREETOKEN_DETOKENIZER_INSTANCES"] = "2"
+    env = {"FREETOKEN_DETOKENIZER_INSTANCES": "2", "FREETOKEN_FREETOKEN_INSTANCES": "2"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         handle = start_server({**SERVER_PARAMS, "model_path": smollm2_path, "detok_max_inflight": "1",
                                "sender_threads": "4"},
                               repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
     finally:
-        if old is None:
-            del os.environ["FREETOKEN_DETOKENIZER_INSTANCES"]
-        else:
-            os.environ["FREETOKEN_DETOKENIZER_INSTANCES"] = old
-    assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    for model in ("detokenizer", "freetoken"):
+        assert "count: 2" in (workdir / "repo" / model / "config.pbtxt").read_text()
+    log = (workdir / "tritonserver.log").read_text()
+    assert log.count("ready (shared at") == 1 and log.count("joined the shared engine") == 1  # one engine, two instances
     yield handle
     handle.stop()
 
 
-@pytest.mark.parametrize("server", ["triton_server", "two_detokenizers"])
+@pytest.mark.parametrize("server", ["triton_server", "scaled_out"])
 def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_llm):
     triton_server = request.getfixturevalue(server)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(N_STREAMS)]
@@ -100,8 +105,10 @@ def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_
     assert N_STREAMS <= reqs <= sum(max_tokens) + N_STREAMS, reqs
 
 
-def test_cancel_mid_stream_with_two_detokenizers(two_detokenizers):
-    """The cancel still reaches the engine through whichever instance gets the next response."""
+def test_cancel_mid_stream_scaled_out(scaled_out):
+    """The cancel still reaches the engine through whichever detokenizer instance gets the next response,
+    and the `freetoken` instance that holds the request aborts it in the shared engine."""
+    two_detokenizers = scaled_out
     from serving_helpers import wait_for
     from test_triton_server import Stream
 

@@ -14,7 +14,8 @@ from freetoken_core import LLM, SamplingParams
 from freetoken_core.config import EngineConfig
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.engine_process import EngineClient, EngineProcessError, decode, encode
+from freetoken_core.serving.engine_process import EngineClient, EngineProcessError
+from freetoken_core.serving.engine_server import decode, encode
 from freetoken_core.serving.faults import is_device_fatal
 from freetoken_core.serving.request import ParsedRequest
 
@@ -150,3 +151,74 @@ def test_a_dead_engine_process_fails_every_request_once_and_never_hangs(smollm2_
     with pytest.raises(EngineProcessError) as err:
         client.step()
     assert is_device_fatal(err.value)
+
+
+def run_clients(clients, timeout_s: float = 120.0) -> list[dict[int, list[DetokenizeMsg]]]:
+    outs: list[dict[int, list[DetokenizeMsg]]] = [{} for _ in clients]
+    deadline = time.monotonic() + timeout_s
+    while any(c.has_work() for c in clients):
+        assert time.monotonic() < deadline, "the shared engine stopped answering"
+        for c, out in zip(clients, outs):
+            if c.has_work():
+                for m in c.step():
+                    out.setdefault(m.uid, []).append(m)
+    return outs
+
+
+def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
+    """Several `freetoken` instances, one engine (serving/engine_share.py): the first to arrive starts
+    it, the next joins; each gets exactly its own requests' tokens (as in-process), a member that leaves
+    has its requests aborted, and when the owner stops the engine a member's requests end with one error
+    each (not a device fault)."""
+    import os
+    import secrets
+
+    from freetoken_core.serving.engine_server import STOPPED
+    from freetoken_core.serving.engine_share import EngineRendezvous
+
+    config = EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2)
+    name = f"test-{secrets.token_hex(4)}"
+    owner = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()))
+    member = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()))
+    late = None
+    try:
+        assert owner._proc is not None and member._proc is None  # one child process
+        assert (owner._index, member._index) == (0, 1)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        expected = llm.generate(PROMPTS, params)
+        uids = [(owner if i % 2 == 0 else member).add_request(llm.encode(p), params) for i, p in enumerate(PROMPTS)]
+        assert len(set(uids)) == len(uids)
+        outs = run_clients([owner, member])
+        for i, (uid, exp) in enumerate(zip(uids, expected)):
+            mine, other = outs[i % 2], outs[1 - i % 2]
+            assert uid not in other
+            assert [t for m in mine[uid] for t in m.next_tokens] == exp.token_ids
+            assert [m.finished for m in mine[uid]][-1] and mine[uid][-1].finish_reason == "length"
+
+        # a member that leaves mid-request: the engine aborts what it had and frees the pages
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)
+        member.add_request(llm.encode(PROMPTS[0]), long)
+        while not member.step():
+            pass
+        member.close()
+        stats = idle_stats(owner)
+        assert stats.num_free_pages == stats.num_total_pages
+
+        # the owner stops the engine: a member's running request ends with one error, later ones too
+        late = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()))
+        assert late._index == 2
+        running = late.add_request(llm.encode(PROMPTS[1]), long)
+        while not late.step():
+            pass
+        owner.close()
+        out = run_clients([late], timeout_s=60)[0]
+        assert out[running][-1].finished and out[running][-1].error == STOPPED
+        after = late.add_request([1, 2, 3], params)
+        (msg,) = late.step()
+        assert msg.uid == after and msg.finish_reason == "error" and msg.error == STOPPED
+        assert not late.has_work()
+        assert not EngineRendezvous(name, server_pid=os.getpid()).dir.exists()  # the owner cleaned up
+    finally:
+        for c in (late, member, owner):
+            if c is not None:
+                c.close()

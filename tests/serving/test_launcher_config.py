@@ -109,3 +109,21 @@ def test_sender_threads_and_engine_process_parameters():
     for bad in ("0", "1.5", "65"):
         with pytest.raises(ValueError, match="sender_threads must be a whole number from 1 to 64"):
             sender_threads(serving_options({"sender_threads": bad}))
+
+
+def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path: Path):
+    """FREETOKEN_FREETOKEN_INSTANCES=N renders N `freetoken` instances (they share one engine process,
+    serving/engine_share.py); N > 1 with the engine in the model's own process would start N engines on
+    one GPU, so it is refused with a message that says what to change."""
+    import json
+
+    from freetoken_core.serving.freetoken_model import FreetokenModel, model_instance_count
+
+    repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_FREETOKEN_INSTANCES": "2"})
+    assert "count: 2" in (repo / "freetoken" / "config.pbtxt").read_text()
+    assert model_instance_count({"instance_group": [{"count": 2, "kind": "KIND_MODEL"}, {"count": 3}]}) == 5
+    assert model_instance_count({}) == 1
+    config = {"instance_group": [{"count": 2}], "parameters": {"engine_process": {"string_value": "0"},
+                                                               "model_path": {"string_value": "/m"}}}
+    with pytest.raises(ValueError, match="share one engine process: set engine_process=1"):
+        FreetokenModel(object(), {"model_name": "freetoken", "model_config": json.dumps(config)})

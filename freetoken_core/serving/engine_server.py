@@ -1,0 +1,244 @@
+"""The child side of serving/engine_process.py: the engine process's main and its loop.
+
+`EngineServer` takes the commands of the instance that started it (connection 0: a pipe pair) and, for
+a shared engine (serving/engine_share.py), of the members that joined on its listener; it steps the
+Scheduler back to back and sends each message to the instance whose request it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from multiprocessing.connection import Listener
+from typing import Any
+
+from freetoken_core.config import EngineConfig, SamplingParams
+from freetoken_core.messages import DetokenizeMsg
+from freetoken_core.serving.engine_share import MAX_INSTANCES
+from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.25  # how often a busy child sends its EngineStats (an idle one sends once)
+STOPPED = "the engine stopped (the model is unloading)"
+
+
+def encode(msg: DetokenizeMsg) -> tuple:
+    """A message as a plain tuple in field order (what pickles fastest; the child pays for it per step)."""
+    return tuple(msg.__dict__.values())
+
+
+def decode(fields: tuple) -> DetokenizeMsg:
+    return DetokenizeMsg(*fields)
+
+
+def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
+                listen: tuple[str, bytes] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    try:
+        from freetoken_core.scheduler.scheduler import Scheduler
+
+        sched = Scheduler(config)
+        if faults:
+            install_fault_hook(sched, faults)
+        anchors = sched.tokenizer.anchors if sched.tokenizer is not None else None
+        info = {"anchors": anchors, "stats": sched.stats(), "max_req_len": sched.max_req_len, "index": 0}
+        listener = Listener(listen[0], family="AF_UNIX", authkey=listen[1]) if listen is not None else None
+        out_conn.send(("ready", info))
+    except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
+        log.exception("the engine failed to start")
+        out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+        return
+    try:
+        EngineServer(sched, cmd_conn, out_conn, listener, info).run()
+    finally:
+        sched.close()
+
+
+class EngineServer:
+    """The child's loop: take commands (a reader thread per connection keeps it drained, so neither
+    side ever blocks on a full pipe), step the scheduler back to back while it has work, send each
+    step's messages at once, each to the instance whose request it is. Connection 0 is the owner's
+    pipe pair; a shared engine accepts members on `listener` (1, 2, ...)."""
+
+    def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
+                 ready_info: dict | None = None) -> None:
+        self.sched = sched
+        self.outs: dict[int, Any] = {0: out_conn}
+        self.owner_of: dict[int, int] = {}  # request uid -> connection index
+        self.commands: queue.SimpleQueue[tuple[int, tuple | None]] = queue.SimpleQueue()
+        self.readers = [self._reader(0, cmd_conn)]
+        self.listener = listener
+        self.ready_info = ready_info or {}
+        self.last_stats = 0.0
+        self.stopping = False
+
+    def _reader(self, index: int, conn: Any) -> threading.Thread:
+        return threading.Thread(target=self._read, args=(index, conn), name=f"freetoken-engine-commands-{index}",
+                                daemon=True)
+
+    def _read(self, index: int, conn: Any) -> None:
+        try:
+            while True:
+                self.commands.put((index, conn.recv()))
+        except (EOFError, OSError):  # that side is gone
+            self.commands.put((index, None))
+
+    def _accept(self) -> None:
+        """Members join here: each gets the ready info with its index, then a reader of its own."""
+        index = 1
+        while not self.stopping:
+            try:
+                conn = self.listener.accept()
+            except OSError:  # the listener was closed: the engine is stopping
+                return
+            except Exception as e:  # noqa: BLE001  a client that failed the authkey handshake
+                log.warning("refused a connection to the shared engine: %s", e)
+                continue
+            try:
+                if index >= MAX_INSTANCES:
+                    conn.send(("failed", f"a shared engine serves at most {MAX_INSTANCES} instances"))
+                    conn.close()
+                    continue
+                conn.send(("ready", {**self.ready_info, "index": index}))  # its stats: the loop's next broadcast
+            except (OSError, ValueError):
+                continue
+            self.commands.put((index, ("hello", conn)))  # before its commands: the main loop registers it
+            reader = self._reader(index, conn)
+            self.readers.append(reader)
+            reader.start()
+            index += 1
+
+    def run(self) -> None:
+        self.readers[0].start()
+        if self.listener is not None:
+            threading.Thread(target=self._accept, name="freetoken-engine-accept", daemon=True).start()
+        sched = self.sched
+        try:
+            while not self.stopping:
+                self._take_commands(block=not sched.has_work())
+                if self.stopping:
+                    break
+                if sched.has_work():
+                    try:
+                        msgs = sched.step()
+                    except Exception as e:  # noqa: BLE001
+                        msgs = self._on_step_failure(e)
+                        if msgs is None:
+                            return
+                    if msgs:
+                        self._send_msgs(msgs)
+                now = time.perf_counter()
+                if now - self.last_stats >= STATS_INTERVAL_S or not sched.has_work():
+                    self._broadcast(("stats", sched.stats()))
+                    self.last_stats = now
+            for index in [i for i in self.outs if i != 0]:  # the owner stopped it: tell the members
+                self._send(index, ("stopped", STOPPED))
+        finally:
+            if self.listener is not None:
+                try:
+                    self.listener.close()
+                except OSError:  # its socket file is already gone
+                    pass
+
+    def _send_msgs(self, msgs: list[DetokenizeMsg]) -> None:
+        if len(self.outs) == 1:  # not shared (or no member yet): everything is the owner's
+            for m in msgs:
+                if m.finished:
+                    self.owner_of.pop(m.uid, None)
+            self.outs[0].send(("msgs", [encode(m) for m in msgs]))
+            return
+        groups: dict[int, list[tuple]] = {}
+        for m in msgs:
+            index = self.owner_of.pop(m.uid, 0) if m.finished else self.owner_of.get(m.uid, 0)
+            groups.setdefault(index, []).append(encode(m))
+        for index, group in groups.items():
+            self._send(index, ("msgs", group))
+
+    def _send(self, index: int, item: tuple) -> None:
+        out = self.outs.get(index)
+        if out is None:
+            return
+        if index == 0:
+            out.send(item)  # the owner's pipe: if it is gone, so is the model
+            return
+        try:
+            out.send(item)
+        except (OSError, ValueError):
+            self._drop(index)
+
+    def _broadcast(self, item: tuple) -> None:
+        for index in list(self.outs):
+            self._send(index, item)
+
+    def _drop(self, index: int) -> None:
+        """A member left (or its connection broke): abort its requests, forget it."""
+        out = self.outs.pop(index, None)
+        if out is not None:
+            try:
+                out.close()
+            except OSError:
+                pass
+        for uid in [u for u, i in self.owner_of.items() if i == index]:
+            del self.owner_of[uid]
+            self.sched.abort(uid)
+
+    def _take_commands(self, block: bool) -> None:
+        while True:
+            try:
+                index, cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return
+            block = False
+            if index != 0 and (cmd is None or cmd[0] == "bye"):
+                self._drop(index)
+                continue
+            if cmd is None or cmd[0] == "stop":
+                if index == 0:  # only the owner stops the engine
+                    self.stopping = True
+                    return
+                continue
+            if cmd[0] == "hello":
+                self.outs[index] = cmd[1]
+            elif cmd[0] == "add":
+                if index != 0 or len(self.outs) > 1:
+                    self.owner_of[cmd[1]] = index
+                self._add(*cmd[1:])
+            elif cmd[0] == "abort":
+                self.sched.abort(cmd[1])
+
+    def _add(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.sched.add_request(input_ids, params, uid=uid)
+            return
+        except ValueError as e:
+            error = str(e)
+        except Exception as e:  # noqa: BLE001  never let one bad request kill the loop
+            log.exception("add_request failed")
+            error = f"{type(e).__name__}: {e}"
+        self._send_msgs([DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=error)])
+
+    def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg] | None:
+        """As EngineLoop does in the stub: a step fault fails the step's requests and the engine serves
+        on; a device fault (or a scheduler that cannot clean up) tells the parent and ends the child."""
+        what = f"{type(e).__name__}: {e}"
+        if not is_device_fatal(e):
+            log.exception("engine step failed: failing the requests of the step(s) in flight")
+            try:
+                return self.sched.fail_step(f"the engine step running this request failed ({what})")
+            except Exception:  # noqa: BLE001
+                log.exception("recovering from the failed step failed")
+                what = f"the engine failed ({what})"
+        else:
+            log.critical("the device is unusable (%s)", what, exc_info=e)
+        for index in list(self.outs):
+            try:
+                self._send(index, ("dead", what))
+            except (OSError, ValueError):
+                pass
+        return None
