@@ -15,6 +15,11 @@ How the instances find each other, safely:
   authkey (`multiprocessing.connection`'s HMAC handshake) written there 0600 by the owner;
 - the owner writes `ready` (its pid) last; a directory whose owner process is gone is stale (a server
   pid reused, a crashed load) and is removed and elected again.
+
+Limit: the instances of one load are told apart from another load's only by what `load_identity`
+(serving/freetoken_model.py) reads: model name, version and the config file's mtime. Reloading unchanged
+files while the model is loaded would let the new instances join the old engine, which stops with the
+old load; unload first, then load.
 """
 
 from __future__ import annotations

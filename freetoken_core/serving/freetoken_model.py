@@ -50,6 +50,19 @@ def check_detokenizer_decoupled(model_dir: str) -> None:
             "nonstream_cancel_probe_ms to 0")
 
 
+def load_identity(args: dict[str, Any]) -> str:
+    """What the instances of one load of this model agree on: name, version and the config file's
+    mtime, so that a reload with an edited config (Triton loads the new instances before it unloads the
+    old ones) starts an engine of its own instead of joining the old one. A reload of unchanged files
+    while loaded would join the old engine: unload, then load (serving/engine_share.py)."""
+    cfg = Path(args.get("model_repository", "")) / "config.pbtxt"
+    try:
+        stamp = f"-{cfg.stat().st_mtime_ns}" if args.get("model_repository") else ""
+    except OSError:
+        stamp = ""
+    return f"{args.get('model_name', 'freetoken')}-{args.get('model_version', '1')}{stamp}"
+
+
 def model_instance_count(model_config: dict[str, Any]) -> int:
     """How many instances Triton starts of this model (the instance groups' counts added up)."""
     groups = model_config.get("instance_group") or [{}]
@@ -118,8 +131,7 @@ class FreetokenModel:
                 raise ValueError(f"{self.model_name} has {instances} instances; one engine serves at most "
                                  f"{MAX_INSTANCES}")
             # several instances (stubs: each sends its own requests' responses) share one engine on the GPU
-            share = (EngineRendezvous(f"{self.model_name}-{args.get('model_version', '1')}")
-                     if instances > 1 else None)
+            share = EngineRendezvous(load_identity(args)) if instances > 1 else None
             # the fault hook goes into the child with the scheduler it wraps
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share)
         else:

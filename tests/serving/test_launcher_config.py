@@ -86,6 +86,20 @@ def test_dockerfile_default_base_image_is_a_full_ngc_reference():
     assert "ARG BASE_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3" in text
 
 
+def test_fla_core_is_in_the_gpu_extra_and_the_image_but_never_in_the_test_venv():
+    """Issue 15: fla-core's chunked prefill kernel on CUDA comes with the `gpu` extra, which the Docker
+    image installs; the test venv (`make test`: test + serve extras) must not have it (it breaks
+    transformers' CPU path for the GDN models the tests compare against)."""
+    import tomllib
+
+    root = source_repository().parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(d.startswith("fla-core") for d in extras["gpu"])
+    assert not any("fla" in d for name in ("test", "serve") for d in extras[name])
+    assert '".[gpu]"' in (root / "Dockerfile").read_text()
+    assert '".[test,serve]"' in (root / "Makefile").read_text()
+
+
 def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
     from freetoken_core.serving.freetoken_model import max_inflight
     from freetoken_core.serving.launcher import default_detokenizer_instances
@@ -127,3 +141,20 @@ def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path
                                                                "model_path": {"string_value": "/m"}}}
     with pytest.raises(ValueError, match="share one engine process: set engine_process=1"):
         FreetokenModel(object(), {"model_name": "freetoken", "model_config": json.dumps(config)})
+
+
+def test_a_reload_with_an_edited_config_meets_in_a_new_place(tmp_path: Path):
+    """Triton loads a reloaded model's new instances before it unloads the old ones: they must not join
+    the old load's engine, so the rendezvous name changes with the config file."""
+    import os
+
+    from freetoken_core.serving.freetoken_model import load_identity
+
+    cfg = tmp_path / "config.pbtxt"
+    cfg.write_text("name: 'freetoken'")
+    args = {"model_name": "freetoken", "model_version": "1", "model_repository": str(tmp_path)}
+    first = load_identity(args)
+    assert first == load_identity(dict(args)) and first.startswith("freetoken-1-")
+    os.utime(cfg, ns=(cfg.stat().st_atime_ns, cfg.stat().st_mtime_ns + 10**9))
+    assert load_identity(args) != first
+    assert load_identity({"model_name": "m"}) == "m-1"
