@@ -35,6 +35,7 @@ class KernelEnv:
     cpu_packed_linear: bool = True  # FREETOKEN_CPU_PACKED_LINEAR: oneDNN-prepacked CPU weights
     fused_moe: bool = True  # FREETOKEN_FUSED_MOE: Triton fused-MoE kernels on CUDA (else the torch path)
     decode_fused_merge: bool = False  # FREETOKEN_DECODE_FUSED_MERGE: split-KV decode merges in-kernel (1 launch)
+    fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
 
     @staticmethod
     def variable(field_name: str) -> str:

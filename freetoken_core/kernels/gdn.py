@@ -22,7 +22,8 @@ these kernels index the pools through `slot_ids` (device ints) themselves:
 - `gdn_varlen` (and `causal_conv1d.causal_conv1d_varlen`): prefill of concatenated sequences (cu_seqlens), with an
   `initial_zero` flag per request for a first chunk (slots are never cleared). The recurrence here
   is the plain token loop per (sequence, head, dv block): correct, not fast. On CUDA the model layer
-  prefers fla-core's chunked kernel (`fla_available()`), gathering and scattering states around it.
+  prefers fla-core's chunked kernel (`fla_available()`; kernels/gdn_fla.py gathers and scatters the
+  states around it and checks it against this kernel first).
 
 Every kernel computes in fp32 and rounds once at the store, like `gdn_ref.py` (the plain-torch
 references and the CPU path). No host syncs; shapes come from the inputs only; per-request lengths

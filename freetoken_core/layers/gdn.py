@@ -16,7 +16,8 @@ so [q | k | v], z, b and a are views of one output. Qwen3.5 checkpoints store it
 The layer reads its step's state metadata from `get_context().linear_state` (kvcache/linear_state.py):
 prefill chunks go through the varlen kernels (state carried across chunks exactly), decode and
 verify rows through the update kernels (verify writes nothing; `commit_verify` replays the
-accepted rows). CUDA: the Triton kernels of kernels/gdn.py; CPU: their torch references.
+accepted rows). CUDA: the Triton kernels of kernels/gdn.py, and for prefill fla-core's chunked kernel
+where it is installed and passed its self-check (kernels/gdn_fla.py); CPU: their torch references.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from .linear import Linear, MergedLinear, copy_checked
 
 def _ops(x: torch.Tensor):
     if x.is_cuda:
-        from ..kernels import causal_conv1d, gdn  # first CUDA use: CPU users never load Triton
+        from ..kernels import causal_conv1d, gdn, gdn_fla  # first CUDA use: CPU users never load Triton
 
-        return causal_conv1d.causal_conv1d_varlen, causal_conv1d.conv1d_update, gdn.gdn_varlen, gdn.gdn_recurrent_update
+        # prefill: fla-core's chunked kernel where installed and self-checked, else our token loop
+        return causal_conv1d.causal_conv1d_varlen, causal_conv1d.conv1d_update, gdn_fla.gdn_prefill, \
+            gdn.gdn_recurrent_update
     return (causal_conv1d_ref.causal_conv1d_varlen_ref, causal_conv1d_ref.conv1d_update_ref, gdn_ref.gdn_varlen_ref,
             gdn_ref.gdn_recurrent_update_ref)
 
