@@ -147,8 +147,9 @@ def expert_usage(sched: Scheduler, bs: int, prompt_len: int, steps: int = 6) -> 
         return None
     counts: list[int] = []
 
-    def count(module, args):
-        counts.append(int(torch.unique(args[2]).numel()))  # StackedExperts(x, weights, ids)
+    def count(module, args):  # StackedExperts(x, weights, ids); a stacked shared expert (id E) is a dense weight
+        ids = args[2]
+        counts.append(int(torch.unique(ids[ids < module.num_experts]).numel()))
 
     g = torch.Generator().manual_seed(bs * 31 + prompt_len)
     for _ in range(bs):

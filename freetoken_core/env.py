@@ -35,6 +35,9 @@ class KernelEnv:
     cpu_packed_linear: bool = True  # FREETOKEN_CPU_PACKED_LINEAR: oneDNN-prepacked CPU weights
     fused_moe: bool = True  # FREETOKEN_FUSED_MOE: Triton fused-MoE kernels on CUDA (else the torch path)
     decode_fused_merge: bool = False  # FREETOKEN_DECODE_FUSED_MERGE: split-KV decode merges in-kernel (1 launch)
+    # FREETOKEN_FUSED_SHARED_EXPERT: a shared expert stacked into the routed ones (one top-k, k + 1 routes; CUDA,
+    # resident experts). Off until measured on the GPU.
+    fused_shared_expert: bool = False
     fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
 
     @staticmethod

@@ -10,6 +10,7 @@ import torch
 
 from ..attention import AttnBackend, create_backend
 from ..config import EngineConfig
+from ..env import kernel_env
 from ..core import Batch, Context, Phase, Req, set_context, to_device
 from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep, slot_of_row
 from ..kvcache.manager import CacheManager, pages_for
@@ -75,6 +76,7 @@ class Engine:
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
                                 expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None)
         self.moe_executors = self._place_experts()
+        self._fuse_shared_experts()
         if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain
             use_gemv_for_all_sizes(self.model, rows=config.speculative is not None)
         model_max = int(getattr(self.model.config, "max_position_embeddings", MAX_DEFAULT_SEQ_LEN) or MAX_DEFAULT_SEQ_LEN)
@@ -161,6 +163,18 @@ class Engine:
                         self.moe_strategy)
             self.config.cuda_graph = False
         return executors
+
+    def _fuse_shared_experts(self) -> None:
+        """FREETOKEN_FUSED_SHARED_EXPERT: stack each shared expert into its layer's routed experts
+        (models/qwen3_next.py SharedExpertMoeBlock), where the fused-MoE kernels run them (CUDA, resident)."""
+        env = kernel_env()
+        if not (env.fused_shared_expert and env.fused_moe and self.device.type == "cuda"
+                and self.moe_strategy == "resident"):
+            return
+        blocks = [m for m in self.model.modules() if hasattr(m, "fuse_shared_expert")]
+        fused = sum(1 for b in blocks if b.fuse_shared_expert())
+        if blocks:
+            log.info("shared expert stacked into the routed experts in %d of %d MoE layers", fused, len(blocks))
 
     def moe_stats(self) -> dict:
         """Slot hit rate, bytes copied per token and misses per layer of the expert executors."""

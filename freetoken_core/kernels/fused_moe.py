@@ -76,41 +76,49 @@ def _topk_rounds(probs, num_rounds, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr
 
 @triton.jit
 def _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, OUT_K: tl.constexpr):
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=0)  # the lanes past TOP_K hold 0
     offs_k = tl.arange(0, BLOCK_K)
     k_ok = offs_k < TOP_K
-    tl.store(weights_ptr + row * TOP_K + offs_k, top_w, mask=k_ok)
-    tl.store(ids_ptr + row * TOP_K + offs_k, top_i, mask=k_ok)
+    tl.store(weights_ptr + row * OUT_K + offs_k, top_w, mask=k_ok)
+    tl.store(ids_ptr + row * OUT_K + offs_k, top_i, mask=k_ok)
 
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr,
                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         SHARED: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         pdl_wait_then_release()
     probs = _router_probs(logits_ptr, row, E, stride_l, BLOCK_E)
     top_w, top_i = _topk_rounds(probs, TOP_K, BLOCK_E, BLOCK_K)
-    _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K, RENORMALIZE, BLOCK_K)
+    _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K, RENORMALIZE, BLOCK_K, TOP_K + SHARED)
+    if SHARED:  # route k: the shared expert (stacked as expert E), weighted by sigmoid of its gate logit
+        gate = tl.load(logits_ptr + row * stride_l + E).to(tl.float32)
+        tl.store(weights_ptr + row * (TOP_K + 1) + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(ids_ptr + row * (TOP_K + 1) + TOP_K, E.to(tl.int32))
 
 
-def topk_softmax(router_logits: torch.Tensor, top_k: int,
-                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); see `topk_softmax_ref`."""
-    num_tokens, num_experts = router_logits.shape
+def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                 shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); see `topk_softmax_ref`.
+    shared_expert: the logits are [T, E + 1], the last column the shared expert's gate, and the routing
+    [T, k + 1] ends with it (`topk_softmax_shared_ref`): one launch for the router's top-k and the gate."""
+    num_tokens, width = router_logits.shape
+    num_experts = width - int(shared_expert)
     assert 1 <= top_k <= num_experts and router_logits.stride(1) == 1
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    out_k = top_k + int(shared_expert)
+    weights = torch.empty((num_tokens, out_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, out_k), dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
     _topk_softmax_kernel[(num_tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
         RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if block_e >= 512 else 1, **pdl_launch(router_logits),
+        SHARED=bool(shared_expert), num_warps=4 if block_e >= 512 else 1, **pdl_launch(router_logits),
     )
     return weights, ids
 

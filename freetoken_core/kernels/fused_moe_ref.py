@@ -34,6 +34,19 @@ def topk_softmax_ref(router_logits: torch.Tensor, top_k: int,
     return weights, ids.to(torch.int32)
 
 
+def topk_softmax_shared_ref(router_logits: torch.Tensor, top_k: int,
+                            renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [T, E + 1] whose last column is the shared expert's gate -> routing [T, k + 1]: the top-k
+    of the first E columns (`topk_softmax_ref`), then expert E (the shared expert, stacked after the
+    routed ones) with weight sigmoid(gate logit) in fp32. The experts' weighted sum over the k + 1
+    routes is then `routed(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`."""
+    num_experts = router_logits.shape[-1] - 1
+    weights, ids = topk_softmax_ref(router_logits[..., :num_experts], top_k, renormalize)
+    shared_w = torch.sigmoid(router_logits[..., num_experts:].float())
+    shared_id = torch.full_like(ids[..., :1], num_experts)
+    return torch.cat([weights, shared_w], dim=-1), torch.cat([ids, shared_id], dim=-1)
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], routing [T, k] -> sum_j w_j * down_e(silu(gate x) * up x),

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
-from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref
+from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref, topk_softmax_shared_ref
 from .linear import Linear, copy_checked
 
 
@@ -29,13 +29,18 @@ def use_fused_moe(x: torch.Tensor) -> bool:
     return kernel_env().fused_moe and x.is_cuda
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits -> (fp32 weights [T, k], int32 expert ids [T, k]): softmax in fp32, top-k,
-    renormalised over the k only when the model says so (Qwen3-MoE's `norm_topk_prob`)."""
+    renormalised over the k only when the model says so (Qwen3-MoE's `norm_topk_prob`).
+    shared_expert: [T, E + 1] logits ending with the shared expert's gate -> routes [T, k + 1] ending with
+    expert E at weight sigmoid(gate) (`topk_softmax_shared_ref`)."""
     if use_fused_moe(router_logits):
         from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
 
-        return fused_moe.topk_softmax(router_logits, top_k, renormalize)
+        return fused_moe.topk_softmax(router_logits, top_k, renormalize, shared_expert)
+    if shared_expert:
+        return topk_softmax_shared_ref(router_logits, top_k, renormalize)
     return topk_softmax_ref(router_logits, top_k, renormalize)
 
 
@@ -69,12 +74,16 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype,
                                                   device=device), requires_grad=False)
         self.executor: object | None = None
+        # (w13, w2) with one more expert stacked after the E routed ones (the parameters are views of
+        # them): a shared expert fused into the routed ones (SharedExpertMoeBlock.fuse_shared_expert)
+        self.stack_with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
         if self.executor is not None:
             return self.executor.forward(x, topk_weights, topk_ids)
-        return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
+        w13, w2 = self.stack_with_shared or (self.gate_up_proj, self.down_proj)
+        return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids))
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..layers import Linear, ZeroCenteredRMSNorm
 from ..layers.gdn import GatedDeltaNet
-from ..layers.moe import SparseMoeBlock
+from ..layers.moe import SparseMoeBlock, route_topk
 from .base import DENSE_PACKED, CausalLM
 from .blocks import Attention, DecoderLayer, DenseMLP, check_silu
 from .qwen3_moe import EXPERT_RULES, is_sparse_layer, num_experts_of
@@ -58,15 +58,56 @@ def layer_types_of(config: Any) -> list[str]:
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
-    """Routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x)."""
+    """Routed experts + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+
+    `fuse_shared_expert` (the engine calls it on CUDA with resident experts, FREETOKEN_FUSED_SHARED_EXPERT)
+    stacks the shared expert after the E routed ones and its gate after the router's rows, so the
+    layer is router GEMV -> top-k (k + 1 routes, the last the shared expert at sigmoid(gate)) -> the
+    two expert launches: at batch 1 about seven launches fewer per layer (the shared expert's three
+    GEMVs, its gate's sigmoid, the product, the sum). The parameters stay, as views of the stacks."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  shared_intermediate_size: int, dtype: torch.dtype, expert_device: torch.device | str | None = None) -> None:
         super().__init__(hidden_size, num_experts, top_k, intermediate_size, renormalize, dtype, expert_device)
         self.shared_expert = DenseMLP(hidden_size, shared_intermediate_size, dtype)
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False, dtype=dtype)
+        self.shared_fused = False
+
+    def can_fuse_shared_expert(self) -> bool:
+        ex = self.experts
+        return (ex.executor is None and ex.gate_up_proj.device == self.shared_expert.down_proj.weight.device
+                and self.shared_expert.down_proj.weight.shape == ex.down_proj.shape[1:]
+                and self.gate.bias is None and self.shared_expert_gate.bias is None)
+
+    def fuse_shared_expert(self) -> bool:
+        """Stack the shared expert into the routed experts (see the class); False where it cannot be
+        (offloaded experts, another intermediate size, a tensor-parallel shard)."""
+        if self.shared_fused:
+            return True
+        if not self.can_fuse_shared_expert():
+            return False
+        ex, sh = self.experts, self.shared_expert
+        e = ex.num_experts
+        with torch.no_grad():
+            w13 = torch.cat([ex.gate_up_proj.data, sh.gate_up_proj.weight.data[None]])
+            w2 = torch.cat([ex.down_proj.data, sh.down_proj.weight.data[None]])
+            router = torch.cat([self.gate.weight.data, self.shared_expert_gate.weight.data])
+        # the parameters become views of the stacks: no second copy of any weight
+        ex.gate_up_proj, sh.gate_up_proj.weight = nn.Parameter(w13[:e], False), nn.Parameter(w13[e], False)
+        ex.down_proj, sh.down_proj.weight = nn.Parameter(w2[:e], False), nn.Parameter(w2[e], False)
+        self.gate.weight, self.shared_expert_gate.weight = nn.Parameter(router, False), nn.Parameter(router[e:], False)
+        self.gate.out_features = e + 1
+        for linear in (self.gate, self.shared_expert_gate, sh.gate_up_proj, sh.down_proj):
+            if getattr(linear, "packed", None) is not None:  # a CPU model's prepacked copy (models/loader.py)
+                linear.pack_for_cpu()
+        ex.stack_with_shared = (w13, w2)
+        self.shared_fused = True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shared_fused:  # router + shared gate in one GEMV, one top-k, k + 1 routes
+            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize, shared_expert=True)
+            return self.experts(x, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return super().forward(x) + shared
 

@@ -25,6 +25,7 @@ from freetoken_core.kernels.fused_moe_ref import (
     fused_moe_ref,
     moe_align_block_size_ref,
     topk_softmax_ref,
+    topk_softmax_shared_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,6 +77,22 @@ def test_topk_softmax_matches_reference(num_experts: int, top_k: int, renormaliz
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (256, 8)])
+def test_topk_softmax_with_a_shared_expert_column(num_experts: int, top_k: int, renormalize: bool):
+    """Logits [T, E + 1] (the last column the shared expert's gate) -> k + 1 routes: the top-k of the E
+    routed experts, then expert E at sigmoid(gate), in one launch (`topk_softmax_shared_ref`)."""
+    g = torch.Generator().manual_seed(num_experts + top_k)
+    logits = (3.0 * torch.randn(11, num_experts + 1, generator=g)).to(DEVICE)
+    logits[0, -1] = 50.0  # the shared gate never joins the routed top-k, however large
+    weights, ids = topk_softmax(logits, top_k, renormalize, shared_expert=True)
+    ref_weights, ref_ids = topk_softmax_shared_ref(logits, top_k, renormalize)
+    assert ids.shape == (11, top_k + 1) and torch.equal(ids, ref_ids)
+    assert torch.all(ids[:, -1] == num_experts) and torch.all(ids[:, :-1] < num_experts)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(weights[:, -1], torch.sigmoid(logits[:, -1]), rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- alignment

@@ -177,3 +177,18 @@ def test_bf16_linear_state_option(hybrid):
     assert [o.token_ids[0] for o in outs] == [e[0] for e in expected]
     assert all(len(o.token_ids) == MAX_NEW for o in outs)
     _all_free(llm)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_greedy_with_the_shared_expert_stacked_matches_transformers(kind, tmp_path):
+    """FREETOKEN_FUSED_SHARED_EXPERT's layer form on a real checkpoint whose shared expert has the routed
+    experts' size (as Qwen3.6's and Qwen3-Next's do): stacked after loading (the engine does it on CUDA;
+    here the references run it), the same greedy tokens as transformers."""
+    path = make_tiny_hybrid(tmp_path, kind, shared_expert_intermediate_size=32)
+    expected = hf_greedy(path, kind, PROMPTS, MAX_NEW)
+    llm = LLM(path, dtype="float32", page_size=16, max_running_req=4, num_pages=64)
+    blocks = [m for m in llm.scheduler.engine.model.modules() if hasattr(m, "fuse_shared_expert")]
+    assert blocks and all(b.fuse_shared_expert() for b in blocks)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    assert [llm.generate([p], params)[0].token_ids for p in PROMPTS] == expected
+    assert [r.token_ids for r in llm.generate(PROMPTS, params)] == expected  # batched, prefill chunks
