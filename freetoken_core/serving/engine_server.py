@@ -69,6 +69,7 @@ class EngineServer:
         self.sched = sched
         self.outs: dict[int, Any] = {0: out_conn}
         self.owner_of: dict[int, int] = {}  # request uid -> connection index
+        self.orphans: set[int] = set()  # requests of a member that left: aborted, their last messages dropped
         self.commands: queue.SimpleQueue[tuple[int, tuple | None]] = queue.SimpleQueue()
         self.readers = [self._reader(0, cmd_conn)]
         self.listener = listener
@@ -145,7 +146,7 @@ class EngineServer:
                     pass
 
     def _send_msgs(self, msgs: list[DetokenizeMsg]) -> None:
-        if len(self.outs) == 1:  # not shared (or no member yet): everything is the owner's
+        if len(self.outs) == 1 and not self.orphans:  # not shared (or no member yet): everything is the owner's
             for m in msgs:
                 if m.finished:
                     self.owner_of.pop(m.uid, None)
@@ -153,6 +154,10 @@ class EngineServer:
             return
         groups: dict[int, list[tuple]] = {}
         for m in msgs:
+            if m.uid in self.orphans:
+                if m.finished:
+                    self.orphans.discard(m.uid)
+                continue
             index = self.owner_of.pop(m.uid, 0) if m.finished else self.owner_of.get(m.uid, 0)
             groups.setdefault(index, []).append(encode(m))
         for index, group in groups.items():
@@ -184,7 +189,8 @@ class EngineServer:
                 pass
         for uid in [u for u, i in self.owner_of.items() if i == index]:
             del self.owner_of[uid]
-            self.sched.abort(uid)
+            if self.sched.abort(uid):
+                self.orphans.add(uid)  # its abort message has no one to go to
 
     def _take_commands(self, block: bool) -> None:
         while True:
