@@ -70,6 +70,7 @@ class EngineServer:
         self.outs: dict[int, Any] = {0: out_conn}
         self.owner_of: dict[int, int] = {}  # request uid -> connection index
         self.orphans: set[int] = set()  # requests of a member that left: aborted, their last messages dropped
+        self.requests_by_instance: dict[int, int] = {}  # how many requests each connection submitted (logged)
         self.commands: queue.SimpleQueue[tuple[int, tuple | None]] = queue.SimpleQueue()
         self.readers = [self._reader(0, cmd_conn)]
         self.listener = listener
@@ -138,6 +139,8 @@ class EngineServer:
                     self.last_stats = now
             for index in [i for i in self.outs if i != 0]:  # the owner stopped it: tell the members
                 self._send(index, ("stopped", STOPPED))
+            if self.listener is not None:
+                log.info("shared engine stopping: requests per instance %s", dict(sorted(self.requests_by_instance.items())))
         finally:
             if self.listener is not None:
                 try:
@@ -212,6 +215,7 @@ class EngineServer:
             if cmd[0] == "hello":
                 self.outs[index] = cmd[1]
             elif cmd[0] == "add":
+                self.requests_by_instance[index] = self.requests_by_instance.get(index, 0) + 1
                 if index != 0 or len(self.outs) > 1:
                     self.owner_of[cmd[1]] = index
                 self._add(*cmd[1:])

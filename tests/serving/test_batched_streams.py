@@ -8,6 +8,7 @@ send workers (sender_threads=4: several sends in flight at once, each request on
 
 from __future__ import annotations
 
+import ast
 import queue
 import time
 
@@ -53,6 +54,11 @@ def scaled_out(smollm2_path, tmp_path_factory):
     assert log.count("ready (shared at") == 1 and log.count("joined the shared engine") == 1  # one engine, two instances
     yield handle
     handle.stop()
+    # Triton spread the streams over both instances (the engine logs what each submitted when it stops)
+    line = [x for x in (workdir / "tritonserver.log").read_text().splitlines() if "requests per instance" in x]
+    assert line, "the shared engine did not log its per-instance counts"
+    counts = ast.literal_eval(line[-1].split("requests per instance", 1)[1].strip())
+    assert set(counts) == {0, 1} and min(counts.values()) > 0, counts
 
 
 @pytest.mark.parametrize("server", ["triton_server", "scaled_out"])
