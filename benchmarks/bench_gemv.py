@@ -56,16 +56,45 @@ def sweep_best(call, configs: list[dict], reps: int, best: float, best_cfg: dict
             t = graph_time_us(lambda i, c=c: call(i, **c), reps)
         except triton.runtime.errors.OutOfResources:  # tile too large for shared memory
             continue
+        except Exception as e:  # noqa: BLE001  a tile this shape cannot compile (say so, sweep on)
+            print(f"  (config {c} failed: {type(e).__name__})", flush=True)
+            continue
         if t < best:
             best, best_cfg = t, c
     return best, best_cfg
 
 
+# small-N weights (MoE routers, a shared expert's gate): N/16 programs leave most SMs idle and each one
+# walks K in many dependent steps, so these tiles try 2 rows a program and long K steps
+SMALL_N_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                   for bn, bk, w, s in itertools.product((2, 4), (512, 1024, 2048), (2, 4, 8), (1, 2))]
+
+
 def weight_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    """(N, K) of every one-row projection of a decode step: attention, dense MLP, the MoE router and a
+    shared expert (its gate; with the shared expert stacked, FREETOKEN_FUSED_SHARED_EXPERT, the router
+    has one row more), and the gated-delta-net projections of hybrid models."""
+    h = cfg["hidden_size"]
     nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = cfg.get("head_dim", h // nh)
-    return {"qkv": ((nh + 2 * nkv) * hd, h), "o": (h, nh * hd), "gate_up": (2 * inter, h), "down": (h, inter)}
+    hybrid = "linear_num_value_heads" in cfg
+    q_rows = (2 if hybrid else 1) * nh * hd  # Qwen3.5/3.6 gated attention: q_proj emits [q | gate]
+    shapes = {"qkv": (q_rows + 2 * nkv * hd, h), "o": (h, nh * hd)}
+    if cfg.get("intermediate_size"):
+        shapes["gate_up"], shapes["down"] = (2 * cfg["intermediate_size"], h), (h, cfg["intermediate_size"])
+    if cfg.get("num_experts"):
+        e = cfg["num_experts"]
+        shapes["router"] = (e, h)
+        if cfg.get("shared_expert_intermediate_size"):
+            si = cfg["shared_expert_intermediate_size"]
+            shapes.update({"router+shared gate": (e + 1, h), "shared gate": (1, h),
+                           "shared gate_up": (2 * si, h), "shared down": (h, si)})
+    if hybrid:
+        hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+        dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+        shapes["gdn in_proj"] = (2 * hk * dk + 2 * hv * dv + 2 * hv, h)
+        shapes["gdn out_proj"] = (h, hv * dv)
+    return shapes
 
 
 FUSED_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
@@ -78,7 +107,9 @@ def bench_fused(shape: str, bw: float, sweep: bool) -> None:
     print("| weight | N x K | norm + gemv (+ silu) us | % bw | fused default us | % bw | best fused us | % bw | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
     shapes = weight_shapes(SHAPES[shape])
-    for name, gated in (("qkv", False), ("gate_up", True)):
+    for name, gated in (("qkv", False), ("gate_up", True), ("shared gate_up", True), ("gdn in_proj", False)):
+        if name not in shapes:
+            continue
         n, k = shapes[name]
         copies = max(2, COPIES_BYTES // (n * k * 2))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
@@ -175,8 +206,9 @@ def main() -> None:
         reps = 2 * copies
         t_cublas = graph_time_us(lambda i: F.linear(x, ws[i % copies]), reps)
         t_default = graph_time_us(lambda i: gemv(x, ws[i % copies]), reps)
-        best, best_cfg = sweep_best(lambda i, **c: gemv(x, ws[i % copies], **c), [] if args.no_sweep else CONFIGS,
-                                    reps, t_default, default_config(k))
+        configs = [] if args.no_sweep else CONFIGS + (SMALL_N_CONFIGS if n <= 1024 else [])
+        best, best_cfg = sweep_best(lambda i, **c: gemv(x, ws[i % copies], **c), configs, reps, t_default,
+                                    default_config(k))
         cfg = "/".join(str(v) for v in best_cfg.values())
         print(f"| {name} | {n} x {k} | {t_cublas:.1f} | {pct(t_cublas):.0f}% | {t_default:.1f} | {pct(t_default):.0f}% | "
               f"{best:.1f} | {pct(best):.0f}% | {cfg} |", flush=True)
