@@ -173,6 +173,10 @@ class Engine:
             return
         blocks = [m for m in self.model.modules() if hasattr(m, "fuse_shared_expert")]
         fused = sum(1 for b in blocks if b.fuse_shared_expert())
+        if fused:
+            # each layer's old stacks were freed in blocks a little smaller than the new ones, which the
+            # caching allocator cannot reuse: give them back before the K/V pages are sized
+            torch.cuda.empty_cache()
         if blocks:
             log.info("shared expert stacked into the routed experts in %d of %d MoE layers", fused, len(blocks))
 
