@@ -20,6 +20,11 @@ class DetokenizeMsg:
     spec_accepted: int = 0  # speculative decoding: draft tokens accepted so far
     spec_proposed: int = 0
 
+    @classmethod
+    def failed(cls, uid: int, error: str) -> "DetokenizeMsg":
+        """The one final message of a request that ends with an error and no tokens."""
+        return cls(uid, [], finished=True, finish_reason="error", error=error)
+
 
 @dataclass
 class EngineStats:

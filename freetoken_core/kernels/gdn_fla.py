@@ -44,9 +44,9 @@ def fla_gdn_varlen(
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     g, beta = gdn_gating_ref(a, b, *gating)  # g fp32 (log decay), beta = sigmoid(b) in b's dtype
-    state = state_pool[slot_ids].float()  # [B, Hv, dk, dv]: a gather, not a view
+    state = state_pool[slot_ids].float()  # [B, Hv, dk, dv]: a gather (a copy), so zeroing it is safe
     if initial_zero is not None:
-        state = torch.where(initial_zero.view(-1, 1, 1, 1).bool(), torch.zeros_like(state), state)
+        state.masked_fill_(initial_zero.view(-1, 1, 1, 1).bool(), 0.0)
     o, final = chunk_gated_delta_rule(
         q.contiguous()[None], k.contiguous()[None], v.contiguous()[None], g[None], beta.contiguous()[None],
         initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,

@@ -36,9 +36,9 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     shared_expert: [T, E + 1] logits ending with the shared expert's gate -> routes [T, k + 1] ending with
     expert E at weight sigmoid(gate) (`topk_softmax_shared_ref`)."""
     if use_fused_moe(router_logits):
-        from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
+        from ..kernels import moe_router  # first CUDA use: CPU users never load Triton
 
-        return fused_moe.topk_softmax(router_logits, top_k, renormalize, shared_expert)
+        return moe_router.topk_softmax(router_logits, top_k, renormalize, shared_expert)
     if shared_expert:
         return topk_softmax_shared_ref(router_logits, top_k, renormalize)
     return topk_softmax_ref(router_logits, top_k, renormalize)

@@ -135,7 +135,7 @@ class EngineClient:
         uid = (self._uids << self._uid_shift) | self._index
         self._uids += 1
         if self._stopped is not None:
-            self._early.append(DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=self._stopped))
+            self._early.append(DetokenizeMsg.failed(uid, self._stopped))
             return uid
         self._outstanding.add(uid)
         self._command(("add", uid, list(input_ids), params or SamplingParams()))
@@ -201,8 +201,7 @@ class EngineClient:
 
     def _end_outstanding(self, reason: str) -> list[DetokenizeMsg]:
         self._stopped = reason
-        ended = [DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=reason)
-                 for uid in sorted(self._outstanding)]
+        ended = [DetokenizeMsg.failed(uid, reason) for uid in sorted(self._outstanding)]
         self._outstanding.clear()
         return ended
 

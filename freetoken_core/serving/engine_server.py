@@ -231,7 +231,7 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001  never let one bad request kill the loop
             log.exception("add_request failed")
             error = f"{type(e).__name__}: {e}"
-        self._send_msgs([DetokenizeMsg(uid, [], finished=True, finish_reason="error", error=error)])
+        self._send_msgs([DetokenizeMsg.failed(uid, error)])
 
     def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg] | None:
         """As EngineLoop does in the stub: a step fault fails the step's requests and the engine serves

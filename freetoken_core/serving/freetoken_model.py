@@ -55,9 +55,9 @@ def load_identity(args: dict[str, Any]) -> str:
     mtime, so that a reload with an edited config (Triton loads the new instances before it unloads the
     old ones) starts an engine of its own instead of joining the old one. A reload of unchanged files
     while loaded would join the old engine: unload, then load (serving/engine_share.py)."""
-    cfg = Path(args.get("model_repository", "")) / "config.pbtxt"
+    repo = args.get("model_repository")
     try:
-        stamp = f"-{cfg.stat().st_mtime_ns}" if args.get("model_repository") else ""
+        stamp = f"-{(Path(repo) / 'config.pbtxt').stat().st_mtime_ns}" if repo else ""
     except OSError:
         stamp = ""
     return f"{args.get('model_name', 'freetoken')}-{args.get('model_version', '1')}{stamp}"

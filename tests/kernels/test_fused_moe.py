@@ -13,8 +13,8 @@ from freetoken_core.kernels.fused_moe import (
     fused_moe_decode,
     fused_moe_grouped,
     moe_align_block_size,
-    topk_softmax,
 )
+from freetoken_core.kernels.moe_router import topk_softmax
 from freetoken_core.kernels.fused_moe_configs import (
     DECODE_MAX_TOKENS,
     down_config,

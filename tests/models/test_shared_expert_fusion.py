@@ -51,10 +51,10 @@ def test_fused_shared_expert_computes_the_same_layer(renormalize: bool, tokens: 
     assert block.gate.weight.shape == (E + 1, H) and block.gate.out_features == E + 1
 
     # the Triton kernels (interpreted here) on the k + 1 routes
-    from freetoken_core.kernels import fused_moe
+    from freetoken_core.kernels import fused_moe, moe_router
 
     with torch.no_grad():
-        weights, ids = fused_moe.topk_softmax(block.gate(x), K, renormalize, shared_expert=True)
+        weights, ids = moe_router.topk_softmax(block.gate(x), K, renormalize, shared_expert=True)
         out = fused_moe.fused_moe(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
