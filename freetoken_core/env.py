@@ -30,14 +30,14 @@ class KernelEnv:
 
     fused_ops: bool = True  # FREETOKEN_FUSED_OPS: fused RMSNorm / rotary / SiLU-and-mul Triton kernels
     gemv: bool = True  # FREETOKEN_GEMV: the one-row GEMV and the multi-row verify GEMM
-    norm_gemv: bool = True  # FREETOKEN_NORM_GEMV: RMSNorm fused into the one-row QKV GEMV
+    norm_gemv: bool = True  # FREETOKEN_NORM_GEMV: RMSNorm fused into the one-row QKV and MoE router GEMVs
     pdl: bool = True  # FREETOKEN_PDL: programmatic dependent launch of the decode kernels (Hopper)
     cpu_packed_linear: bool = True  # FREETOKEN_CPU_PACKED_LINEAR: oneDNN-prepacked CPU weights
     fused_moe: bool = True  # FREETOKEN_FUSED_MOE: Triton fused-MoE kernels on CUDA (else the torch path)
     decode_fused_merge: bool = False  # FREETOKEN_DECODE_FUSED_MERGE: split-KV decode merges in-kernel (1 launch)
     # FREETOKEN_FUSED_SHARED_EXPERT: a shared expert stacked into the routed ones (one top-k, k + 1 routes; CUDA,
-    # resident experts). Off until measured on the GPU.
-    fused_shared_expert: bool = False
+    # resident experts). Qwen3.6 batch 1 on the H200: 327 -> 364 tok/s (benchmarks/RESULTS.md, tenth session).
+    fused_shared_expert: bool = True
     fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
 
     @staticmethod

@@ -129,14 +129,17 @@ def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid,
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, stride_wn, up_offset, eps,
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, N, K, stride_wn, up_offset, eps,
                       NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                      ZERO_CENTERED: tl.constexpr = False):
+                      ZERO_CENTERED: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False):
     # y = W (RMSNorm(x + r) * g) in one pass: every program reads the whole (small, L2-resident) input
     # row anyway, so it also sums its squares and scales its dot products by rstd at the end. Program
     # 0 writes h = x + r (the next residual) to a separate buffer, as the others are still reading r.
     # GATED: W is [gate | up] (up rows start at up_offset) and y = silu(gate) * up.
+    # WRITE_NORMED: program 0 also writes RMSNorm(x + r) itself to n_ptr, rounded as the RMSNorm kernel
+    # rounds it (fused_ops._rmsnorm_kernel), for the consumers after this one (the MoE router: its experts
+    # take the normed row).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -164,6 +167,21 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, str
         rstd = tl.math.rsqrt(tl.sum(ss, axis=0) / K + eps)
     else:
         rstd = 1.0
+    if WRITE_NORMED:
+        if pid == 0:  # a second pass over the (L2-resident) inputs: x + r is recomputed, not re-read from h
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    x = (x.to(tl.float32) + tl.load(r_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                         ).to(x_ptr.dtype.element_ty)
+                g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:  # (x * rstd * (1 + w)) in fp32, rounded once
+                    normed = (x.to(tl.float32) * rstd) * (1.0 + g)
+                else:  # x * rstd rounded, then * w
+                    normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * g
+                tl.store(n_ptr + offs_k, normed.to(n_ptr.dtype.element_ty), mask=k_ok)
     y = tl.sum(acc, axis=1) * rstd
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -181,12 +199,24 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, N, K, str
 # Measured per weight shape (N, K) where the defaults leave bandwidth unused: with N/16 programs a
 # weight of few output rows fills the GPU's SMs only once. From `bench_gemv.py --shape qwen3-30b-a3b`
 # (and `--fused`) on the H200, 2026-12-01: o 2048 x 4096 6.2 -> 5.4 us, the fused-norm qkv
-# 5120 x 2048 8.9 -> 6.4 us. Shapes not listed keep the defaults their own sweeps chose.
+# 5120 x 2048 8.9 -> 6.4 us. The MoE routers (tenth session, same sweeps): 128 x 2048 4.9 -> 1.0 us,
+# 256 x 2048 4.9 -> 1.1 us, with the shared gate stacked 257 x 2048 5.0 -> 1.2 us (2 rows a program,
+# the whole K in one step); Qwen3.6's fused-norm gated-attention qkv 9216 x 2048 13.2 -> 10.9 us.
+# Shapes not listed keep the defaults their own sweeps chose.
+_ROUTER_TILE = dict(block_n=2, block_k=2048, num_warps=8, num_stages=2)
 GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (2048, 4096): dict(block_n=4, block_k=1024, num_warps=8, num_stages=4),
+    (128, 2048): _ROUTER_TILE,
+    (256, 2048): _ROUTER_TILE,
+    (257, 2048): _ROUTER_TILE,
 }
 NORM_GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (5120, 2048): dict(block_n=8, block_k=512, num_warps=4, num_stages=3),
+    (9216, 2048): dict(block_n=4, block_k=1024, num_warps=4, num_stages=2),
+    # the routers with the post-attention norm fused in (norm_gemv_normed): the plain GEMV's tile
+    (128, 2048): _ROUTER_TILE,
+    (256, 2048): _ROUTER_TILE,
+    (257, 2048): _ROUTER_TILE,
 }
 
 
@@ -285,10 +315,31 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
     silu(gate) * up, [1, I], replacing the SiLU-and-mul kernel as well. norm_weight None: no norm
     (a plain GEMV, with the residual add and gating still fused). zero_centered: the norm scales by
     (1 + norm_weight) (Qwen3-Next / Qwen3.5 RMSNorm)."""
+    y, h, _ = _launch_norm_gemv(x, residual, norm_weight, eps, weight, bias, gated, False, block_n, block_k,
+                                num_warps, num_stages, zero_centered)
+    return y, h
+
+
+def norm_gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row: (W RMSNorm(h), RMSNorm(h), h), h = x + residual, in one launch: the RMSNorm kernel and the
+    GEMV of a projection whose input row other layers need as well (the MoE router: the experts take the
+    normed row, the next layer the residual)."""
+    y, h, normed = _launch_norm_gemv(x, residual, norm_weight, eps, weight, None, False, True, None, None, None,
+                                     None, zero_centered)
+    assert normed is not None
+    return y, normed, h
+
+
+def _launch_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, write_normed: bool,
+                      block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None,
+                      zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
     assert x.shape[0] == 1, f"norm_gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert norm_weight is None or norm_weight.shape == (k,)
+    assert not write_normed or norm_weight is not None
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     cfg = norm_gemv_config(n, k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
@@ -298,11 +349,13 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         h = torch.empty_like(x)
     else:
         h = x
+    normed = torch.empty_like(x) if write_normed else None
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, y, h, n, k, weight.stride(0), n, float(eps),
-        NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ZERO_CENTERED=zero_centered,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
+        bias if bias is not None else weight, y, h, normed if normed is not None else y, n, k, weight.stride(0), n,
+        float(eps), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ZERO_CENTERED=zero_centered,
+        WRITE_NORMED=write_normed, num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
+        **pdl_launch(x),
     )
-    return y, h
+    return y, h, normed

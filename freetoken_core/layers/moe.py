@@ -23,6 +23,7 @@ from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
 from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref, topk_softmax_shared_ref
 from .linear import Linear, copy_checked
+from .norm_linear import norm_linear_normed
 
 
 def use_fused_moe(x: torch.Tensor) -> bool:
@@ -125,7 +126,11 @@ class StackedExperts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`, a [E, H] linear layer) -> top-k -> stacked experts. Called like a dense MLP."""
+    """Router (`gate`, a [E, H] linear layer) -> top-k -> stacked experts. Called like a dense MLP, or
+    (`fuses_input_norm`) with the decoder layer's post-attention norm, which then runs inside the
+    router's launch at batch-1 decode (layers/norm_linear.py `norm_linear_normed`)."""
+
+    fuses_input_norm = True
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  renormalize: bool, dtype: torch.dtype | None, expert_device: torch.device | str | None = None) -> None:
@@ -137,6 +142,14 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
+        return self.from_router_logits(x, self.gate(x))
+
+    def forward_with_norm(self, norm: nn.Module, x: torch.Tensor,
+                          residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (self(norm(x + residual)), x + residual)."""
+        logits, h, residual = norm_linear_normed(norm, self.gate, x, residual)
+        return self.from_router_logits(h, logits), residual
+
+    def from_router_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(logits, self.top_k, self.renormalize)
         return self.experts(x, weights, ids)

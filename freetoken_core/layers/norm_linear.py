@@ -1,5 +1,6 @@
 """A decoder layer's pre-norm projection: RMSNorm (with the residual add), a linear layer, and for the
-gated MLP SiLU-and-mul, as one call.
+gated MLP SiLU-and-mul, as one call; `norm_linear_normed` also returns the normed row (the MoE router,
+whose experts take that row).
 
 On one CUDA row of a large half-precision weight (batch-1 decode) this is one Triton launch
 (`kernels/gemv.py` norm_gemv) instead of two or three: the GEMV programs read the whole input row
@@ -42,3 +43,20 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
         h, residual = norm(x, residual)
     y = linear(h)
     return (silu_and_mul(y) if gated else y), residual
+
+
+def norm_linear_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Tensor,
+                       residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (linear(h), h, x + residual) with h = norm(x + residual): the post-attention norm and the MoE
+    router in one launch on one CUDA row (`kernels/gemv.py` norm_gemv_normed; batch-1 decode), else the
+    unfused sequence."""
+    if (FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm) and linear.bias is None
+            and linear.parallel is None and norm.weight.dtype == x.dtype and residual.stride(-1) == 1):
+        from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
+
+        if triton_gemv.use_gemv(x, linear.weight, 0):  # small weights too: this launch replaces the norm's
+            y, h, residual = triton_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
+                                                          zero_centered=type(norm) is ZeroCenteredRMSNorm)
+            return y, h, residual
+    h, residual = norm(x, residual)
+    return linear(h), h, residual

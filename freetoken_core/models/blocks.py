@@ -162,6 +162,8 @@ class DecoderLayer(nn.Module):
             else:
                 h, residual = self.input_layernorm(x, residual)
             x = mixer(positions, h)
+        if getattr(self.mlp, "fuses_input_norm", False):  # the MoE router runs the norm in its own launch
+            return self.mlp.forward_with_norm(self.post_attention_layernorm, x, residual)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 

@@ -104,12 +104,12 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_fused = True
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def from_router_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.shared_fused:  # router + shared gate in one GEMV, one top-k, k + 1 routes
-            weights, ids = route_topk(self.gate(x), self.top_k, self.renormalize, shared_expert=True)
+            weights, ids = route_topk(logits, self.top_k, self.renormalize, shared_expert=True)
             return self.experts(x, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().forward(x) + shared
+        return super().from_router_logits(x, logits) + shared
 
 
 class Qwen3NextForCausalLM(CausalLM):

@@ -234,3 +234,81 @@ def test_norm_linear_fused_in_a_cuda_graph():
     torch.testing.assert_close(static_y, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(static_h, want_h, atol=0, rtol=0)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("k", [200, 256])
+def test_norm_gemv_normed_matches_reference(dtype, zero_centered, k):
+    """The post-attention norm fused into the MoE router's GEMV: the logits, the normed row the experts
+    take (rounded as the RMSNorm kernel rounds it) and the new residual."""
+    from freetoken_core.kernels.fused_ops_ref import rms_norm_torch, zero_centered_rms_norm_torch
+
+    n = 72  # router rows: not a multiple of block_n
+    x, r = _randn(1, k, dtype=dtype, seed=11), _randn(1, k, dtype=dtype, seed=12)
+    g = 0.1 * _randn(k, dtype=dtype, seed=13) + (0 if zero_centered else 1)
+    w = _randn(n, k, dtype=dtype, seed=14) * 0.1
+    logits, normed, h = triton_gemv.norm_gemv_normed(x, r, g, 1e-5, w, zero_centered=zero_centered)
+    want_logits, want_h = triton_gemv.norm_gemv_reference(x, r, g, 1e-5, w, None, zero_centered=zero_centered)
+    want_normed = (zero_centered_rms_norm_torch if zero_centered else rms_norm_torch)(x + r, g, 1e-5)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(logits, want_logits, **tol)
+    # fp32: equal up to the order of the sum of squares; fp16: at most one rounding step apart
+    torch.testing.assert_close(normed, want_normed, **(dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32
+                                                       else dict(atol=2e-3, rtol=2e-3)))
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+    assert normed.shape == x.shape and logits.shape == (1, n)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_moe_block_forward_with_norm_is_norm_then_block(zero_centered):
+    """SparseMoeBlock.forward_with_norm (the decoder layer hands it the post-attention norm) computes
+    block(norm(x + residual)) and returns x + residual, on CPU (the unfused sequence) and on one CUDA row
+    (one launch for the norm and the router)."""
+    from freetoken_core.layers import RMSNorm
+    from freetoken_core.layers.moe import SparseMoeBlock
+    from freetoken_core.layers.norm import ZeroCenteredRMSNorm
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    hidden, experts = 256, 16
+    norm = (ZeroCenteredRMSNorm if zero_centered else RMSNorm)(hidden, 1e-6, dtype).to(DEV)
+    norm.weight.data.normal_(0 if zero_centered else 1, 0.1)
+    block = SparseMoeBlock(hidden, experts, 4, 64, True, dtype).to(DEV)
+    for p in block.parameters():
+        p.data.normal_(0, 3.0 / hidden ** 0.5)
+    for rows in (1, 3):
+        x = torch.randn(rows, hidden, dtype=dtype, device=DEV)
+        r = torch.randn(rows, hidden, dtype=dtype, device=DEV)
+        with torch.no_grad():
+            if rows == 1:
+                # The fused router takes the normed row unrounded, the unfused one after its rounding to
+                # bf16: a near-tie in the top-k would pick other experts. A router whose logits on this row
+                # are 0.5 apart (E rows along the normed row, scaled -4..4) leaves no near-tie.
+                hf = norm(x, r)[0].float()[0]
+                spread = torch.linspace(-4, 4, experts, device=DEV)[torch.randperm(experts, device=DEV)]
+                block.gate.weight.copy_((spread[:, None] * hf[None, :] / hf.dot(hf)).to(dtype))
+            got, got_r = block.forward_with_norm(norm, x, r)
+            h, want_r = norm(x, r)
+            want = block(h)
+        torch.testing.assert_close(got_r, want_r, atol=0, rtol=0)
+        torch.testing.assert_close(got, want, **(dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else {}))
+
+
+@needs_cuda
+@pytest.mark.parametrize("n", [128, 257])  # Qwen3-30B-A3B's router, Qwen3.6's with the shared gate stacked
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_norm_gemv_normed_bf16_router_shapes(n, zero_centered):
+    from freetoken_core.kernels.fused_ops import fused_add_rmsnorm
+
+    k = 2048
+    x, r = _randn(1, k, dtype=torch.bfloat16, seed=21), _randn(1, k, dtype=torch.bfloat16, seed=22)
+    g = 0.1 * _randn(k, dtype=torch.bfloat16, seed=23) + (0 if zero_centered else 1)
+    w = _randn(n, k, dtype=torch.bfloat16, seed=24) * 0.02
+    logits, normed, h = triton_gemv.norm_gemv_normed(x, r, g, 1e-6, w, zero_centered=zero_centered)
+    want_normed, want_h = fused_add_rmsnorm(x.clone(), r.clone(), g, 1e-6, zero_centered=zero_centered)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+    torch.testing.assert_close(normed, want_normed, atol=1e-2, rtol=1e-2)  # one bf16 step at most
+    assert (normed == want_normed).float().mean() > 0.99
+    want_logits, _ = triton_gemv.norm_gemv_reference(x, r, g, 1e-6, w, None, zero_centered=zero_centered)
+    torch.testing.assert_close(logits, want_logits, atol=5e-2, rtol=2e-2)

@@ -53,10 +53,14 @@ def test_fused_shared_expert_computes_the_same_layer(renormalize: bool, tokens: 
     # the Triton kernels (interpreted here) on the k + 1 routes
     from freetoken_core.kernels import fused_moe, moe_router
 
+    # (compiled on a GPU machine: the kernels take device tensors there)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():
-        weights, ids = moe_router.topk_softmax(block.gate(x), K, renormalize, shared_expert=True)
-        out = fused_moe.fused_moe(x, w13, w2, weights, ids)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        xd = x.to(device)
+        logits = torch.nn.functional.linear(xd, block.gate.weight.to(device))
+        weights, ids = moe_router.topk_softmax(logits, K, renormalize, shared_expert=True)
+        out = fused_moe.fused_moe(xd, w13.to(device), w2.to(device), weights, ids)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_fusion_refuses_what_it_cannot_stack():
