@@ -117,6 +117,11 @@ def get_decode_config(num_experts: int, hidden: int, inter: int, dtype: Any) -> 
     """The decode path's GEMV tiles: each program owns BLOCK_N output columns of one route and streams
     that expert's rows over the whole K in BLOCK_K steps, reducing once at the end (as kernels/gemv.py)."""
     found = None if triton_interpreted() else _lookup(DECODE_CONFIGS, num_experts, hidden, inter, dtype)
+    if not found and not triton_interpreted():
+        # A program's work depends on (H, I) only, not on how many experts the stack holds: a shared expert
+        # stacked after the routed ones (E + 1 experts) keeps the routed shape's measured tile.
+        found = next((tiles for (_, h, i, name), tiles in DECODE_CONFIGS.items()
+                      if (h, i) == (hidden, inter) and name in (dtype_name(dtype), "default")), None)
     if found:
         return found
     if triton_interpreted():

@@ -324,3 +324,16 @@ def test_cuda_graph_capture_and_replay(num_tokens: int):
         torch.testing.assert_close(out, step(), rtol=0, atol=0)  # the same kernels eagerly: identical
         ref = fused_moe_ref(x.float(), w13.float(), w2.float(), *topk_softmax_ref(logits, top_k, True))
         torch.testing.assert_close(out.float(), ref, **TOL[torch.bfloat16])
+
+
+def test_decode_tiles_follow_the_expert_shape_not_the_count(monkeypatch):
+    """A shared expert stacked after the routed ones (E + 1 experts) keeps the routed shape's measured
+    decode tiles; a shape with no entry gets the defaults. (GPU lookups: the interpreter has its own tiles.)"""
+    from freetoken_core.kernels import fused_moe_configs as cfgs
+
+    monkeypatch.setattr(cfgs, "triton_interpreted", lambda: False)
+    routed = cfgs.DECODE_CONFIGS[(256, 2048, 512, "default")]
+    assert cfgs.get_decode_config(257, 2048, 512, torch.bfloat16) is routed
+    assert cfgs.get_decode_config(129, 2048, 768, torch.bfloat16) is cfgs.DECODE_CONFIGS[(128, 2048, 768, "default")]
+    other = cfgs.get_decode_config(257, 1024, 512, torch.bfloat16)
+    assert all(other is not tiles for tiles in cfgs.DECODE_CONFIGS.values()) and set(other) == {"gate_up", "down"}
