@@ -26,7 +26,8 @@ def _flag(name: str, default: bool) -> bool:
 
 @dataclass(frozen=True)
 class KernelEnv:
-    """The kernel switches (each defaults to on; set to 0 to turn one off for an A/B run)."""
+    """The kernel switches: most default to on (set one to 0 for an A/B run); those that default to off
+    say why beside them (not yet measured faster on the GPU)."""
 
     fused_ops: bool = True  # FREETOKEN_FUSED_OPS: fused RMSNorm / rotary / SiLU-and-mul Triton kernels
     gemv: bool = True  # FREETOKEN_GEMV: the one-row GEMV and the multi-row verify GEMM
@@ -39,6 +40,17 @@ class KernelEnv:
     # resident experts). Qwen3.6 batch 1 on the H200: 327 -> 364 tok/s (benchmarks/RESULTS.md, tenth session).
     fused_shared_expert: bool = True
     fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
+    # Batch-1 decode launches folded into their neighbours (each off until measured on the GPU, then on):
+    # FREETOKEN_ROUTER_TOPK_FUSED: the MoE router's top-k in the router GEMV's launch (its last program ranks)
+    router_topk_fused: bool = False
+    # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel
+    gdn_fused_conv: bool = False
+    # FREETOKEN_GDN_OUT_NORM_GEMV: the GDN gated output norm inside the out_proj GEMV (one row)
+    gdn_out_norm_gemv: bool = False
+    # FREETOKEN_ROTARY_STORE_KV: the decode K/V cache store inside the q/k norm + rotary kernel
+    rotary_store_kv: bool = False
+    # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
+    attn_gate_gemv: bool = False
 
     @staticmethod
     def variable(field_name: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,17 @@ class AttnLayout:
     scale: float
 
 
+class KVStoreTarget(NamedTuple):
+    """Where one layer's new K/V rows of a batch go, for a kernel that produces them to store them
+    itself (FREETOKEN_ROTARY_STORE_KV: the q/k norm + rotary kernel) instead of the backend's store.
+    A tuple so that kernels, which import nothing from attention/, can take it as (k_cache, v_cache,
+    out_loc)."""
+
+    k_cache: torch.Tensor  # [pages, page_size, Hkv, D] (KVCache's layout), in the cache's dtype
+    v_cache: torch.Tensor
+    out_loc: torch.Tensor  # [T] int32/int64: flat slot (page * page_size + offset) of each new row
+
+
 class AttnBackend(ABC):
     info: BackendInfo
 
@@ -49,7 +61,15 @@ class AttnBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] for the batch's new rows. Writes k/v into the cache at
         `batch.out_loc`, attends each row causally over its request's cached prefix plus the new rows,
-        and returns [T, H * D]."""
+        and returns [T, H * D]. Backends whose `kv_store_target` can return a target also take
+        `kv_stored: bool = False`: True when the caller's kernel already wrote k/v there."""
+
+    def kv_store_target(self, layer_id: int, batch: Batch) -> KVStoreTarget | None:
+        """Where a kernel that produces layer `layer_id`'s new k/v rows may write them itself, laid out
+        and converted exactly as this backend's own store would, or None when the backend (or this
+        batch's phase) needs its own store. A caller that writes there says so: `forward(...,
+        kv_stored=True)`. Default: None (the backend stores in forward)."""
+        return None
 
     # CUDA-graph hooks (engine/graph.py). Backends that cannot capture keep these defaults.
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int], rows_per_req: int = 1) -> None:

@@ -19,6 +19,10 @@ these kernels index the pools through `slot_ids` (device ints) themselves:
   with `out_norm=(w, z, eps)` it returns the gated output norm `w * rmsnorm(o) * silu(z)` per head,
   in its epilogue when one program holds a whole head (BV >= dv), else as one `gated_rmsnorm` launch.
   A batch-1 GDN layer is then conv + recurrence (+ norm) instead of ~25 torch launches.
+- `gdn_decode_with_conv`: plain decode (R = 1, states written) with the conv update inside the recurrence's
+  launch (FREETOKEN_GDN_FUSED_CONV); the conv state of the q/k channels, which several programs read, is
+  written by the last of them to arrive (per-key-head counters, see `_gdn_rows_kernel`). The output norm
+  can move into out_proj's GEMV instead (gdn_out_gemv.py, at one row).
 - `gdn_varlen` (and `causal_conv1d.causal_conv1d_varlen`): prefill of concatenated sequences (cu_seqlens), with an
   `initial_zero` flag per request for a first chunk (slots are never cleared). The recurrence here
   is the plain token loop per (sequence, head, dv block): correct, not fast. On CUDA the model layer
@@ -40,8 +44,8 @@ import triton
 import triton.language as tl
 
 from .gdn_ref import (  # noqa: F401  (the references, beside their kernels)
-    chunk_gated_delta_rule_ref, gated_rmsnorm_ref, gdn_gating_ref, gdn_recurrent_update_ref, gdn_varlen_ref, l2norm,
-    recurrent_gated_delta_rule_ref,
+    chunk_gated_delta_rule_ref, gated_rmsnorm_ref, gdn_decode_with_conv_ref, gdn_gating_ref, gdn_recurrent_update_ref,
+    gdn_varlen_ref, l2norm, recurrent_gated_delta_rule_ref,
 )
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
@@ -107,6 +111,11 @@ def _and(mask, cond):
 def _load_qk(q_ptr, k_ptr, offs_k, mask_k, scale, USE_L2NORM: tl.constexpr):
     b_q = tl.load(q_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     b_k = tl.load(k_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    return _norm_qk(b_q, b_k, scale, USE_L2NORM)
+
+
+@triton.jit
+def _norm_qk(b_q, b_k, scale, USE_L2NORM: tl.constexpr):
     if USE_L2NORM:  # transformers' l2norm: x * rsqrt(sum(x^2) + 1e-6)
         b_q = b_q * tl.math.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
         b_k = b_k * tl.math.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
@@ -162,19 +171,55 @@ def _gated_norm(x, z_ptr, w_ptr, offs, mask, eps, D: tl.constexpr, DT: tl.conste
 
 
 @triton.jit
+def _conv_decode(x_ptr, conv_w, conv_b, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    # causal_conv1d._conv_update_kernel at one row (R = 1) for the channels `ch` of one slot (p_cs: their
+    # state column 0): taps = old state columns 0..K-2 then the new input, summed in that order in fp32,
+    # + bias, SiLU, rounded to x's dtype as conv1d_update stores it. Also returns the slot's next state
+    # [old columns 1..K-2 | x] in the pool's dtype, for the caller to store once every reader has read.
+    xv = tl.load(x_ptr, mask=mask, other=0.0)
+    acc = tl.zeros(xv.shape, dtype=tl.float32)
+    for j in tl.static_range(K):
+        if j < K - 1:
+            tap = tl.load(p_cs + j * s_c2, mask=mask, other=0.0).to(tl.float32)
+        else:
+            tap = xv.to(tl.float32)
+        acc += tap * tl.load(conv_w + ch * s_cw0 + j, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(conv_b + ch, mask=mask, other=0.0).to(tl.float32)
+    acc = acc / (1.0 + tl.exp(-acc))
+    offs_i = tl.arange(0, KP)
+    shifted = tl.load(p_cs[:, None] + (offs_i + 1)[None, :] * s_c2,
+                      mask=mask[:, None] & (offs_i + 1 < K - 1)[None, :], other=0.0)
+    new = tl.where((offs_i == K - 2)[None, :], xv[:, None].to(p_cs.dtype.element_ty), shifted)
+    return acc.to(xv.dtype).to(tl.float32), new
+
+
+@triton.jit
+def _store_conv_state(p_cs, new, mask, ok, s_c2, K: tl.constexpr, KP: tl.constexpr):
+    offs_i = tl.arange(0, KP)
+    tl.store(p_cs[:, None] + offs_i[None, :] * s_c2, new, mask=_and(mask[:, None] & (offs_i < K - 1)[None, :], ok))
+
+
+@triton.jit
 def _gdn_rows_kernel(
     q, k, v, g, beta, A_log, dt_bias, o, z, norm_w, state, slot_ids, num_rows, cu_seqlens, initial_zero,
+    conv_w, conv_b, conv_state, conv_arrivals,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_zt, s_zh, s_s0, s_s1, s_s2,
-    scale, eps,
+    s_cw0, s_c0, s_c1, s_c2, scale, eps,
     R: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, HAS_INITIAL_ZERO: tl.constexpr, USE_L2NORM: tl.constexpr, WRITE_STATE: tl.constexpr,
     RAW_GATES: tl.constexpr, OUT_NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    FUSED_CONV: tl.constexpr = False, HK: tl.constexpr = 1, K_CONV: tl.constexpr = 1, KP: tl.constexpr = 1,
+    HAS_CONV_BIAS: tl.constexpr = False,
 ):
     # Program (request i, value head h, dv block): rows bos..eos-1 of request i in order.
     # VARLEN (prefill): rows from cu_seqlens, the final state stored after the loop.
     # else (decode / verify): rows i*R .. i*R+R-1; with WRITE_STATE the state after row num_rows[i]-1
     # is stored when the loop passes it (a masked store, so rows past num_rows never write).
     # OUT_NORM (BV >= DV: the program holds a whole head): o = gated_norm(o, z) before the store.
+    # FUSED_CONV (plain decode only: R = 1, WRITE_STATE): q, k, v point at the conv *inputs* (views of
+    # in_proj's row) and the program runs the conv of the channels it reads itself (see below).
     if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -199,9 +244,46 @@ def _gdn_rows_kernel(
         n = tl.load(num_rows + i_b)
         S = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32)
     for t in range(bos, eos):
-        b_q, b_k = _load_qk(q + t * s_qt + i_hk * s_qh, k + t * s_kt + i_hk * s_kh, offs_k, mask_k, scale,
-                            USE_L2NORM)
-        b_v = tl.load(v + t * s_vt + i_h * s_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        if FUSED_CONV:
+            # Channels [q | k | v] of the conv: this program reads the q and k channels of its key head
+            # and the v channels of its dv block. The v channels (and their state) are its own; the q/k
+            # channels are read by all REP * cdiv(DV, BV) programs of the key head, and the slot's state
+            # is updated in place. Whoever overwrites the q/k columns must do it after every one of those
+            # programs has read the old ones, and programs of one grid are not ordered: a fixed writer
+            # (e.g. i_v == 0) would race, and it cannot tell when the others are done without waiting
+            # on them, which may deadlock (they need not be resident together; the interpreter runs
+            # programs one by one). So the *last* program to arrive writes: each reads the old columns
+            # (all of its threads: the barrier), then takes a ticket from the key head's counter in
+            # conv_arrivals [slots, HK] (an acq_rel atomic: the reads above happen before it, the
+            # stores below after every earlier ticket's reads); the ticket that completes a group of N
+            # stores the new columns (all readers hold the same values) and takes N back off the
+            # counter, so it is 0 again after the launch without a memset. Counting modulo N keeps this
+            # exact when padded rows share the dummy slot 0 (m requests there: m * N tickets, m resets;
+            # their outputs and slot 0's contents are garbage anyway, as in the unfused kernels).
+            p_cq = conv_state + slot * s_c0 + (i_hk * DK + offs_k) * s_c1
+            p_ck = p_cq + HK * DK * s_c1
+            p_cv = conv_state + slot * s_c0 + (2 * HK * DK + i_h * DV + offs_v) * s_c1
+            b_q, new_q = _conv_decode(q + t * s_qt + i_hk * s_qh + offs_k, conv_w, conv_b, p_cq, i_hk * DK + offs_k,
+                                      mask_k, s_cw0, s_c2, K_CONV, KP, HAS_CONV_BIAS)
+            b_k, new_k = _conv_decode(k + t * s_kt + i_hk * s_kh + offs_k, conv_w, conv_b, p_ck,
+                                      (HK + i_hk) * DK + offs_k, mask_k, s_cw0, s_c2, K_CONV, KP, HAS_CONV_BIAS)
+            b_v, new_v = _conv_decode(v + t * s_vt + i_h * s_vh + offs_v, conv_w, conv_b, p_cv,
+                                      2 * HK * DK + i_h * DV + offs_v, mask_v, s_cw0, s_c2, K_CONV, KP, HAS_CONV_BIAS)
+            tl.debug_barrier()  # every thread of this program has read the old columns it needs
+            readers = REP * ((DV + BV - 1) // BV)  # N: the programs of one key head
+            p_arr = conv_arrivals + slot * HK + i_hk
+            ticket = tl.atomic_add(p_arr, 1, sem="acq_rel", scope="gpu")
+            last = ticket % readers == readers - 1
+            tl.atomic_add(p_arr, -readers, mask=last, sem="acq_rel", scope="gpu")
+            write = n > 0  # num_rows 0: the slot keeps its state, as in conv1d_update
+            _store_conv_state(p_cv, new_v, mask_v, write, s_c2, K_CONV, KP)
+            _store_conv_state(p_cq, new_q, mask_k, write & last, s_c2, K_CONV, KP)
+            _store_conv_state(p_ck, new_k, mask_k, write & last, s_c2, K_CONV, KP)
+            b_q, b_k = _norm_qk(b_q, b_k, scale, USE_L2NORM)
+        else:
+            b_q, b_k = _load_qk(q + t * s_qt + i_hk * s_qh, k + t * s_kt + i_hk * s_kh, offs_k, mask_k, scale,
+                                USE_L2NORM)
+            b_v = tl.load(v + t * s_vt + i_h * s_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         b_g, b_beta = _gates(g + t * s_gt + i_h * s_gh, beta + t * s_bt + i_h * s_bh, A_log, dt_bias, i_h,
                              beta.dtype.element_ty, RAW_GATES)
         b_o, S = _delta_step(S, b_q, b_k, b_v, b_g, b_beta)
@@ -263,7 +345,8 @@ def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 def _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, cu_seqlens, initial_zero, rows_per_req,
-                write_state, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages):
+                write_state, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages, conv=None):
+    # conv = (weight [C, K], bias [C] | None, conv_state_pool, arrivals): q, k, v are views of the conv input
     Hk, dk = q.shape[-2:]
     Hv, dv = v.shape[-2:]
     assert k.shape == q.shape and Hv % Hk == 0, f"q/k {tuple(q.shape)} vs v {tuple(v.shape)}"
@@ -291,17 +374,27 @@ def _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, cu_seqlens, in
         assert norm_w.dtype == v.dtype, "the gated norm rounds w * rmsnorm(o) to o's dtype: w must have it too"
     else:
         norm_w, z, eps = v, v, 0.0
+    conv_kw: dict = {}
+    if conv is not None:
+        conv_w, conv_b, conv_pool, arrivals = conv
+        K = conv_w.shape[1]
+        conv_kw = dict(FUSED_CONV=True, HK=Hk, K_CONV=K, KP=triton.next_power_of_2(max(K - 1, 1)),
+                       HAS_CONV_BIAS=conv_b is not None)
+        conv_args = (conv_w, conv_b if conv_b is not None else conv_w, conv_pool, arrivals,
+                     conv_w.stride(0), *conv_pool.stride())
+    else:
+        conv_args = (v, v, v, slot_ids, 0, 0, 0, 0)
     _gdn_rows_kernel[grid](
         q, k, v, g, beta, A_log, dt_bias, o, z, norm_w, state_pool, slot_ids,
         num_rows if num_rows is not None else slot_ids, cu_seqlens if varlen else slot_ids,
-        initial_zero if initial_zero is not None else slot_ids,
+        initial_zero if initial_zero is not None else slot_ids, *conv_args[:4],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), z.stride(0), z.stride(1),
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), dk ** -0.5, float(eps),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), *conv_args[4:], dk ** -0.5, float(eps),
         R=rows_per_req, REP=Hv // Hk, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=BV,
         VARLEN=varlen, HAS_INITIAL_ZERO=initial_zero is not None, USE_L2NORM=use_qk_l2norm,
         WRITE_STATE=write_state, RAW_GATES=gating is not None, OUT_NORM=fused_norm,
-        num_warps=warps, num_stages=stages, **pdl_launch(v),
+        num_warps=warps, num_stages=stages, **conv_kw, **pdl_launch(v),
     )
     if out_norm is not None and not fused_norm:
         o = gated_rmsnorm(o, z, norm_w, eps)
@@ -326,6 +419,56 @@ def gdn_recurrent_update(
     assert v.shape[0] == B * rows_per_req, f"{v.shape[0]} rows for {B} requests x {rows_per_req}"
     return _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, None, None, rows_per_req,
                        write_state, use_qk_l2norm, gating, out_norm, block_v, num_warps, num_stages)
+
+
+def fuses_out_norm(requests: int, num_v_heads: int, dv: int) -> bool:
+    """Whether `gdn_recurrent_update` of `requests` one-row requests (the table's tile) applies `out_norm`
+    in its own epilogue; if not, it launches `gated_rmsnorm` after it (or the caller fuses the norm into
+    the next kernel: gdn_out_gemv.py)."""
+    return triton.cdiv(dv, _gdn_config(requests, num_v_heads, dv, False)[0]) == 1
+
+
+def conv_arrival_counters(conv_state_pool: torch.Tensor, num_k_heads: int) -> torch.Tensor:
+    """The zeroed [slots, Hk] int32 counters `gdn_decode_with_conv` needs (see `_gdn_rows_kernel`). Every
+    launch leaves them at 0, so one buffer serves every call (and layer) on its device: allocate it once,
+    outside CUDA-graph capture, and keep it."""
+    return torch.zeros(conv_state_pool.shape[0], num_k_heads, dtype=torch.int32, device=conv_state_pool.device)
+
+
+def gdn_decode_with_conv(
+    x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, conv_state_pool: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor, num_rows: torch.Tensor,
+    num_k_heads: int, conv_arrivals: torch.Tensor | None = None, use_qk_l2norm: bool = True,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    block_v: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+) -> torch.Tensor:
+    """Plain decode (one row per request, states written) with the conv in the recurrence's launch: the
+    same as `causal_conv1d.conv1d_update(x, conv_weight, conv_bias, conv_state_pool, slot_ids, num_rows, 1)`
+    (SiLU) then `gdn_recurrent_update` over its [q | k | v] channels (see `gdn_decode_with_conv_ref`).
+    x [B, C] (the conv input, a view of in_proj's rows is fine), C = 2 Hk dk + Hv dv; conv_weight [C, K]
+    (unit stride along K); conv_state_pool [slots, C, K-1]; conv_arrivals from `conv_arrival_counters`
+    (None: a fresh one, i.e. one more memset per call). Returns o [B, Hv, dv]. Verify (several rows,
+    nothing written) and prefill keep the separate conv: verify saves the conv outputs for its replay."""
+    B = slot_ids.shape[0]
+    Hv, dk, dv = state_pool.shape[1:]
+    Hk, key = num_k_heads, num_k_heads * dk
+    C, K = conv_weight.shape
+    assert x.dim() == 2 and x.shape == (B, C) and C == 2 * key + Hv * dv, \
+        f"x {tuple(x.shape)} for {B} requests and {Hk} key heads of {dk} + {Hv} value heads of {dv} channels"
+    assert conv_weight.stride(1) == 1 and tuple(conv_state_pool.shape[1:]) == (C, K - 1), \
+        f"conv weight {tuple(conv_weight.shape)} (unit stride along K), conv state pool {tuple(conv_state_pool.shape)}"
+    assert conv_bias is None or conv_bias.shape == (C,)
+    if conv_arrivals is None:
+        conv_arrivals = conv_arrival_counters(conv_state_pool, Hk)
+    assert conv_arrivals.dtype == torch.int32 and conv_arrivals.is_contiguous() and \
+        conv_arrivals.shape[0] >= conv_state_pool.shape[0] and conv_arrivals.shape[1] == Hk, \
+        "conv_arrivals: the [slots, Hk] int32 counters of conv_arrival_counters"
+    x = _last_dim_contiguous(x)
+    q, k, v = x[:, :key].view(B, Hk, dk), x[:, key:2 * key].view(B, Hk, dk), x[:, 2 * key:].view(B, Hv, dv)
+    return _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, None, None, 1, True, use_qk_l2norm,
+                       gating, out_norm, block_v, num_warps, num_stages,
+                       conv=(conv_weight, conv_bias, conv_state_pool, conv_arrivals))
 
 
 def gdn_varlen(

@@ -22,13 +22,17 @@ requests and never sync with the host; the varlen (prefill) references loop over
 
 The layer's glue has references here too, as the kernels fuse it: `gdn_gating_ref` (beta, g from
 in_proj_ba's raw a, b) and `gated_rmsnorm_ref` (the per-head output norm); the recurrence references
-take them as `gating=` / `out_norm=` like the kernels do.
+take them as `gating=` / `out_norm=` like the kernels do. Two decode fusions have their unfused
+sequences here as references: `gdn_decode_with_conv_ref` (the conv update, then the recurrence) and
+`gdn_out_norm_gemv_ref` (the output norm, then out_proj).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .causal_conv1d_ref import conv1d_update_ref
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -218,3 +222,34 @@ def gdn_recurrent_update_ref(
     if write_state:
         state_pool[slot_ids] = kept.to(state_pool.dtype)
     return _out(out.view(B * R, Hv, dv).to(v.dtype), out_norm)
+
+
+def gdn_decode_with_conv_ref(
+    x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, conv_state_pool: torch.Tensor,
+    g: torch.Tensor, beta: torch.Tensor, state_pool: torch.Tensor, slot_ids: torch.Tensor, num_rows: torch.Tensor,
+    num_k_heads: int, use_qk_l2norm: bool = True,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Plain decode (one row per request, both states written) from the conv input x [B, C]: the SiLU conv
+    update, its output split into [q (Hk dk) | k (Hk dk) | v (Hv dv)], then the recurrence."""
+    B = slot_ids.shape[0]
+    Hv, dk, dv = state_pool.shape[1:]
+    key = num_k_heads * dk
+    y = conv1d_update_ref(x, conv_weight, conv_bias, conv_state_pool, slot_ids, num_rows, 1, True)
+    q, k, v = y[:, :key].view(B, num_k_heads, dk), y[:, key:2 * key].view(B, num_k_heads, dk), y[:, 2 * key:]
+    return gdn_recurrent_update_ref(q, k, v.view(B, Hv, dv), g, beta, state_pool, slot_ids, num_rows, 1, True,
+                                    use_qk_l2norm, gating, out_norm)
+
+
+def gdn_out_norm_gemv_ref(o: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The layer's tail unfused: `gated_rmsnorm_ref` per head of o [T, H, dv] (or [T, H*dv]) with z [T, H, dv],
+    stored in o's dtype, then out_proj (weight [N, H*dv]) accumulated in fp32 and rounded once, like
+    the one-row GEMV (gemv_ref.gemv_reference). Returns [T, N] in o's dtype."""
+    T, (H, dv) = o.shape[0], z.shape[-2:]
+    h = gated_rmsnorm_ref(o.reshape(T, H, dv), z, norm_weight, eps).reshape(T, H * dv)
+    y = h.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(o.dtype)

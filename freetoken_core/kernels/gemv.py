@@ -18,17 +18,23 @@ layer. `gemv_ref.py` holds the plain-torch references (fp32 accumulation).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from ..env import kernel_env
+from ..env import kernel_env, triton_interpreted
 from .gemv_ref import gemv_reference, norm_gemv_reference  # noqa: F401  (the references, beside their kernels)
+from .moe_router import rank_when_last
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
 
 ENABLED = kernel_env().gemv  # FREETOKEN_GEMV=0: cuBLAS everywhere (A/B, debugging)
 # The size rule itself lives with `Linear` (linear.GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
+# The gated GEMV's sigmoid takes CUDA's expf (libdevice) when compiled; the interpreter has no libdevice.
+_LIBDEVICE_EXP = tl.constexpr(not triton_interpreted())
 
 
 @triton.jit
@@ -52,9 +58,45 @@ def _x_tile(x_ptr, k0, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
+def _sigmoid_like_torch(g):
+    # torch's CUDA sigmoid in fp32: 1 / (1 + expf(-g)) with CUDA's expf and IEEE division. Triton's own
+    # exp (ex2.approx) and `/` (div.full) are a few ulp off: enough to flip a rounding to bf16 now and then.
+    if _LIBDEVICE_EXP:
+        e = libdevice.exp(-g)
+    else:  # the interpreter: numpy's exp
+        e = tl.exp(-g)
+    return tl.math.div_rn(tl.zeros_like(e) + 1.0, 1.0 + e)
+
+
+@triton.jit
+def _gated_x_tile(x_ptr, g_ptr, k0, K, stride_gh, GATE_D: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # x * sigmoid(gate) rounded as the unfused torch ops round it: sigmoid in fp32, rounded to x's dtype,
+    # then the product (exact in fp32 for two half-precision factors) rounded again. Gate element k is
+    # lane k % GATE_D of head k // GATE_D (heads stride_gh apart: a slice of the QKV output, no copy).
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    g_offs = (offs_k // GATE_D) * stride_gh + offs_k % GATE_D
+    if EVEN_K:
+        g = tl.load(g_ptr + g_offs)
+    else:
+        g = tl.load(g_ptr + g_offs, mask=offs_k < K, other=0.0)
+    dt = x_ptr.dtype.element_ty
+    s = _sigmoid_like_torch(g.to(tl.float32)).to(dt).to(tl.float32)
+    return (_x_tile(x_ptr, k0, K, BLOCK_K, EVEN_K).to(tl.float32) * s).to(dt)
+
+
+@triton.jit
+def _gemv_in_tile(x_ptr, g_ptr, k0, K, stride_gh, HAS_GATE: tl.constexpr, GATE_D: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    if HAS_GATE:
+        return _gated_x_tile(x_ptr, g_ptr, k0, K, stride_gh, GATE_D, BLOCK_K, EVEN_K).to(tl.float32)
+    return _x_tile(x_ptr, k0, K, BLOCK_K, EVEN_K).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, N, K, stride_wn, stride_gh,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, HAS_GATE: tl.constexpr = False, GATE_D: tl.constexpr = 1):
+    # HAS_GATE (the gated attention's o_proj): the input row is x * sigmoid(gate), computed as it loads
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -62,12 +104,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     k_start = 0
     if USE_PDL:  # the first weight tile loads before the wait: no earlier kernel writes weights
         w = _w_tile(w_ptr, offs_n, n_ok, 0, K, stride_wn, BLOCK_K, EVEN_K)
-        pdl_wait_then_release()
-        acc += w.to(tl.float32) * _x_tile(x_ptr, 0, K, BLOCK_K, EVEN_K).to(tl.float32)[None, :]
+        pdl_wait_then_release()  # x and the gate are activations: read after it
+        acc += w.to(tl.float32) * _gemv_in_tile(x_ptr, g_ptr, 0, K, stride_gh, HAS_GATE, GATE_D, BLOCK_K,
+                                                EVEN_K)[None, :]
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         w = _w_tile(w_ptr, offs_n, n_ok, k0, K, stride_wn, BLOCK_K, EVEN_K)
-        acc += w.to(tl.float32) * _x_tile(x_ptr, k0, K, BLOCK_K, EVEN_K).to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _gemv_in_tile(x_ptr, g_ptr, k0, K, stride_gh, HAS_GATE, GATE_D, BLOCK_K,
+                                                EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
@@ -129,10 +173,13 @@ def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid,
 
 
 @triton.jit
-def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, N, K, stride_wn, up_offset, eps,
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, route_w_ptr, route_i_ptr, count_ptr,
+                      N, K, stride_wn, up_offset, eps,
                       NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                      ZERO_CENTERED: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False):
+                      ZERO_CENTERED: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
+                      TOP_K: tl.constexpr = 0, RENORMALIZE: tl.constexpr = False, SHARED: tl.constexpr = False,
+                      BLOCK_E: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1):
     # y = W (RMSNorm(x + r) * g) in one pass: every program reads the whole (small, L2-resident) input
     # row anyway, so it also sums its squares and scales its dot products by rstd at the end. Program
     # 0 writes h = x + r (the next residual) to a separate buffer, as the others are still reading r.
@@ -140,6 +187,8 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, N,
     # WRITE_NORMED: program 0 also writes RMSNorm(x + r) itself to n_ptr, rounded as the RMSNorm kernel
     # rounds it (fused_ops._rmsnorm_kernel), for the consumers after this one (the MoE router: its experts
     # take the normed row).
+    # TOP_K > 0 (the MoE router, FREETOKEN_ROUTER_TOPK_FUSED): y are router logits and the last program to
+    # finish ranks them (moe_router.rank_when_last): the routes [1, TOP_K (+1 SHARED)] come out of this launch.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -194,6 +243,9 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, N,
         up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    if TOP_K > 0:
+        rank_when_last(y_ptr, count_ptr, route_w_ptr, route_i_ptr, N - SHARED, TOP_K, RENORMALIZE, SHARED, BLOCK_E,
+                       BLOCK_TK, TOP_K + SHARED)
 
 
 # Measured per weight shape (N, K) where the defaults leave bandwidth unused: with N/16 programs a
@@ -289,19 +341,36 @@ def rows_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
-         block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """x [1, K], weight [N, K] (contiguous rows), bias [N] -> [1, N] in x's dtype."""
+         block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+         gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x [1, K], weight [N, K] (contiguous rows), bias [N] -> [1, N] in x's dtype.
+
+    gate (the gated attention's o_proj, FREETOKEN_ATTN_GATE_GEMV): y = W (x * sigmoid(gate)) in this one
+    launch instead of a gate copy, a sigmoid and a multiply, rounded as those torch ops round (see
+    `gemv_reference`). gate has x's dtype and K elements: [1, K], or heads [1, H, D] with any head stride
+    (the strided gate half of the QKV output) and D contiguous."""
     k = x.shape[1]
     n = weight.shape[0]
     assert x.shape[0] == 1, f"gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     cfg = gemv_config(n, k)
     block_n, block_k = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    gate_args: dict = {}
+    stride_gh = 0
+    if gate is not None:
+        assert gate.dtype == x.dtype and gate.numel() == k and gate.shape[0] == 1 and gate.stride(-1) == 1, (
+            f"gate {tuple(gate.shape)} {gate.dtype} does not fit the row {tuple(x.shape)} {x.dtype}"
+        )
+        assert gate.dim() in (2, 3)
+        head = gate.shape[-1]
+        stride_gh = gate.stride(1) if gate.dim() == 3 else head  # [1, K]: one head of K
+        gate_args = dict(HAS_GATE=True, GATE_D=head)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
+        x, weight, bias if bias is not None else weight, y, gate if gate is not None else x, n, k, weight.stride(0),
+        stride_gh, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"], **gate_args,
+        **pdl_launch(x),
     )
     return y
 
@@ -331,10 +400,41 @@ def norm_gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     return y, normed, h
 
 
+@dataclass(frozen=True)
+class RouterTopK:
+    """The MoE router's top-k run in the router GEMV's launch (`norm_gemv_routed`): k, renormalise over
+    the k, whether the last weight row is a stacked shared expert's gate (k + 1 routes), and the int32
+    arrival counter of that launch (zero between launches; the kernel resets it)."""
+
+    top_k: int
+    renormalize: bool
+    shared_expert: bool
+    counter: torch.Tensor
+
+
+def norm_gemv_routed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, route: RouterTopK, zero_centered: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row: (route weights fp32 [1, k(+1)], expert ids int32 [1, k(+1)], RMSNorm(h), h), h = x + residual,
+    in one launch: the post-attention RMSNorm, the router GEMV and its top-k softmax
+    (`moe_router.topk_softmax` of the GEMV's logits, the same numbers)."""
+    n = weight.shape[0]
+    num_experts = n - int(route.shared_expert)
+    assert 1 <= route.top_k <= num_experts and route.counter.dtype == torch.int32 and route.counter.numel() >= 1
+    out_k = route.top_k + int(route.shared_expert)
+    weights = torch.empty((1, out_k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((1, out_k), dtype=torch.int32, device=x.device)
+    _, h, normed = _launch_norm_gemv(x, residual, norm_weight, eps, weight, None, False, True, None, None, None, None,
+                                     zero_centered, route=(route, weights, ids, num_experts))
+    assert normed is not None
+    return weights, ids, normed, h
+
+
 def _launch_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, write_normed: bool,
                       block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None,
-                      zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      zero_centered: bool, route: tuple[RouterTopK, torch.Tensor, torch.Tensor, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
     assert x.shape[0] == 1, f"norm_gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
@@ -350,12 +450,19 @@ def _launch_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     else:
         h = x
     normed = torch.empty_like(x) if write_normed else None
+    topk: dict = {}
+    route_w = route_i = count = y  # placeholders: the kernel reads them only with TOP_K > 0
+    if route is not None:
+        spec, route_w, route_i, num_experts = route
+        count = spec.counter
+        topk = dict(TOP_K=spec.top_k, RENORMALIZE=spec.renormalize, SHARED=spec.shared_expert,
+                    BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TK=triton.next_power_of_2(spec.top_k))
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, y, h, normed if normed is not None else y, n, k, weight.stride(0), n,
-        float(eps), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, ZERO_CENTERED=zero_centered,
-        WRITE_NORMED=write_normed, num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-        **pdl_launch(x),
+        bias if bias is not None else weight, y, h, normed if normed is not None else y, route_w, route_i, count,
+        n, k, weight.stride(0), n, float(eps), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        ZERO_CENTERED=zero_centered, WRITE_NORMED=write_normed, num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"], **topk, **pdl_launch(x),
     )
     return y, h, normed

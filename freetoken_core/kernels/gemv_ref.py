@@ -7,7 +7,12 @@ import torch
 from .fused_ops_ref import rms_norm_torch, silu_and_mul_torch, zero_centered_rms_norm_torch
 
 
-def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
+    """gate: the gated attention's input row x * sigmoid(gate), as the unfused torch ops compute it (each
+    rounded to x's dtype)."""
+    if gate is not None:
+        x = x * torch.sigmoid(gate.reshape(x.shape))
     y = x.float() @ weight.float().t()
     if bias is not None:
         y += bias.float()

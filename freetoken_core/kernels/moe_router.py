@@ -26,11 +26,13 @@ from .pdl_jit import pdl_wait_then_release  # noqa: E402
 
 
 @triton.jit
-def _router_probs(logits_ptr, row, E, stride_l, BLOCK_E: tl.constexpr):
-    """fp32 softmax of one row of router logits; the padding lanes hold -inf, so they never win."""
+def _router_probs(logits_ptr, row, E, stride_l, BLOCK_E: tl.constexpr, CACHE: tl.constexpr = ""):
+    """fp32 softmax of one row of router logits; the padding lanes hold -inf, so they never win.
+    CACHE ".cg": read through L2 only (logits other programs of this launch wrote)."""
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
-    logits = tl.load(logits_ptr + row * stride_l + offs_e, mask=e_ok, other=float("-inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + row * stride_l + offs_e, mask=e_ok, other=float("-inf"),
+                     cache_modifier=CACHE).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
     return tl.where(e_ok, p / tl.sum(p, axis=0), float("-inf"))
 
@@ -63,6 +65,34 @@ def _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K: tl.constexpr,
 
 
 @triton.jit
+def _store_shared_route(logits_ptr, weights_ptr, ids_ptr, row, E, stride_l, TOP_K: tl.constexpr, OUT_K: tl.constexpr,
+                        CACHE: tl.constexpr = ""):
+    # route k: the shared expert (stacked as expert E), weighted by sigmoid of its gate logit
+    gate = tl.load(logits_ptr + row * stride_l + E, cache_modifier=CACHE).to(tl.float32)
+    tl.store(weights_ptr + row * OUT_K + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+    tl.store(ids_ptr + row * OUT_K + TOP_K, E.to(tl.int32))
+
+
+@triton.jit
+def rank_when_last(logits_ptr, count_ptr, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                   SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OUT_K: tl.constexpr):
+    """The epilogue of a one-row router GEMV (kernels/gemv.py, FREETOKEN_ROUTER_TOPK_FUSED): each program
+    has stored its logits; the last one to arrive ranks the whole row (one launch fewer than a top-k
+    kernel after the GEMV). The barrier orders every thread's logit stores before the program's
+    arrival, the acq_rel atomic publishes them to (and acquires the others' for) the last program,
+    which reads them through L2 and resets the counter for the next launch (a CUDA graph replays it)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
+        probs = _router_probs(logits_ptr, 0, E, 0, BLOCK_E, ".cg")
+        top_w, top_i = _topk_rounds(probs, TOP_K, BLOCK_E, BLOCK_K)
+        _store_routing(weights_ptr, ids_ptr, 0, top_w, top_i, TOP_K, RENORMALIZE, BLOCK_K, OUT_K)
+        if SHARED:
+            _store_shared_route(logits_ptr, weights_ptr, ids_ptr, 0, E, 0, TOP_K, OUT_K, ".cg")
+
+
+@triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr,
                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          SHARED: tl.constexpr, OUT_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -72,10 +102,8 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: t
     probs = _router_probs(logits_ptr, row, E, stride_l, BLOCK_E)
     top_w, top_i = _topk_rounds(probs, TOP_K, BLOCK_E, BLOCK_K)
     _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K, RENORMALIZE, BLOCK_K, OUT_K)
-    if SHARED:  # route k: the shared expert (stacked as expert E), weighted by sigmoid of its gate logit
-        gate = tl.load(logits_ptr + row * stride_l + E).to(tl.float32)
-        tl.store(weights_ptr + row * OUT_K + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
-        tl.store(ids_ptr + row * OUT_K + TOP_K, E.to(tl.int32))
+    if SHARED:
+        _store_shared_route(logits_ptr, weights_ptr, ids_ptr, row, E, stride_l, TOP_K, OUT_K)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,

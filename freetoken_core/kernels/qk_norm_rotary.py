@@ -13,6 +13,11 @@ contraction off (`fused_ops._COMPILE`). q and k may be strided views of the fuse
 gated attention's q is a [T, H, 2D] slice). Outputs are new contiguous tensors sized from shapes,
 no host syncs: CUDA-graph safe. It takes part in the PDL chain like the other fused ops (waits
 first: q/k are activations).
+
+With `kv_out` (FREETOKEN_ROTARY_STORE_KV, decode/verify steps of the Triton attention backend) the
+k-head programs also write the paged K/V cache as `attention/triton/store_kv.py` would: k as it is
+stored to the output (then converted to the cache dtype), v copied as is, at flat slot out_loc[t],
+so the backend skips its store_kv launch.
 """
 
 from __future__ import annotations
@@ -47,15 +52,25 @@ def _normed(x, W, offs, ok, rstd, dt: tl.constexpr, ZERO_CENTERED: tl.constexpr)
 
 
 @triton.jit
+def _store_out(dst, cdst, offs, val, mask, STORE_CACHE: tl.constexpr):
+    """`val` (model dtype) to the output and, STORE_CACHE, to the cache row too: rounded to the model
+    dtype first, then converted to the cache's, as store_kv converts the stored k."""
+    tl.store(dst + offs, val, mask=mask)
+    if STORE_CACHE:
+        tl.store(cdst + offs, val.to(cdst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_rotate_heads(
-    X, W, Out, cos, sin, t, h0, num_heads, stride_xt, stride_xh, eps,
+    X, W, Out, cos, sin, t, h0, num_heads, stride_xt, stride_xh, eps, Cache, slot, stride_cslot, stride_chead,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ZERO_CENTERED: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     heads = h0 + tl.arange(0, BLOCK_H)
     hmask = heads < num_heads
     src = X + t * stride_xt + heads[:, None].to(tl.int64) * stride_xh
     dst = Out + (t * num_heads + heads[:, None].to(tl.int64)) * D
+    cdst = Cache + slot * stride_cslot + heads[:, None].to(tl.int64) * stride_chead  # used with STORE_CACHE only
     dt = Out.dtype.element_ty
     # rstd over the whole head in one reduction, as the RMSNorm kernel computes it
     offs = tl.arange(0, BLOCK_D)
@@ -70,35 +85,59 @@ def _norm_rotate_heads(
     # `fused_ops._rotate_heads`' rounding: each product, then the sum
     o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
     o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-    tl.store(dst + d[None, :], o1.to(dt), mask=m)
-    tl.store(dst + HALF + d[None, :], o2.to(dt), mask=m)
+    _store_out(dst, cdst, d[None, :], o1.to(dt), m, STORE_CACHE)
+    _store_out(dst, cdst, HALF + d[None, :], o2.to(dt), m, STORE_CACHE)
     if BLOCK_PASS > 0:  # partial rotary: the normed features past rot_dim pass through
         p = 2 * HALF + tl.arange(0, BLOCK_PASS)
         pok = p < D
         pm = hmask[:, None] & pok[None, :]
         xp = _normed(tl.load(src + p[None, :], mask=pm, other=0.0), W, p, pok, rstd, dt, ZERO_CENTERED)
-        tl.store(dst + p[None, :], xp.to(dt), mask=pm)
+        _store_out(dst, cdst, p[None, :], xp.to(dt), pm, STORE_CACHE)
+
+
+@triton.jit
+def _copy_v_heads(V, VCache, t, slot, h0, num_heads, stride_vt, stride_vh, stride_cslot, stride_chead,
+                  D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # store_kv's v: copied as is, converted to the cache dtype
+    heads = h0 + tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_D)
+    m = (heads < num_heads)[:, None] & (offs < D)[None, :]
+    h64 = heads[:, None].to(tl.int64)
+    v = tl.load(V + t * stride_vt + h64 * stride_vh + offs[None, :], mask=m)
+    dst = VCache + slot * stride_cslot + h64 * stride_chead + offs[None, :]
+    tl.store(dst, v.to(VCache.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _qk_norm_rotary_kernel(
-    Q, K, QW, KW, QOut, KOut, CosSin, Pos,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    Q, K, QW, KW, QOut, KOut, CosSin, Pos, V, KCache, VCache, OutLoc,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, stride_vt, stride_vh,
+    stride_kcs, stride_kch, stride_vcs, stride_vch,
     num_q_heads, num_k_heads, num_q_blocks, q_eps, k_eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ZERO_CENTERED: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ZERO_CENTERED: tl.constexpr, STORE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # freetoken_core/kernels/pdl.py: q/k come from the QKV GEMV just before
+    # STORE_KV: V, KCache, VCache, OutLoc are read; otherwise they are placeholders
+    if USE_PDL:  # freetoken_core/kernels/pdl.py: q/k/v come from the QKV GEMV just before
         pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     cos, sin = _cos_sin_row(CosSin, Pos, t, stride_cs, HALF, BLOCK_HALF)
     if hb < num_q_blocks:
         _norm_rotate_heads(Q, QW, QOut, cos, sin, t, hb * BLOCK_H, num_q_heads, stride_qt, stride_qh, q_eps,
-                           D, HALF, BLOCK_H, BLOCK_D, BLOCK_HALF, BLOCK_PASS, ZERO_CENTERED)
+                           QOut, 0, 0, 0, D, HALF, BLOCK_H, BLOCK_D, BLOCK_HALF, BLOCK_PASS, ZERO_CENTERED, False)
     else:
-        _norm_rotate_heads(K, KW, KOut, cos, sin, t, (hb - num_q_blocks) * BLOCK_H, num_k_heads, stride_kt,
-                           stride_kh, k_eps, D, HALF, BLOCK_H, BLOCK_D, BLOCK_HALF, BLOCK_PASS, ZERO_CENTERED)
+        h0 = (hb - num_q_blocks) * BLOCK_H
+        slot = 0
+        if STORE_KV:
+            slot = tl.load(OutLoc + t).to(tl.int64)
+        _norm_rotate_heads(K, KW, KOut, cos, sin, t, h0, num_k_heads, stride_kt, stride_kh, k_eps,
+                           KCache, slot, stride_kcs, stride_kch, D, HALF, BLOCK_H, BLOCK_D, BLOCK_HALF, BLOCK_PASS,
+                           ZERO_CENTERED, STORE_KV)
+        if STORE_KV:
+            _copy_v_heads(V, VCache, t, slot, h0, num_k_heads, stride_vt, stride_vh, stride_vcs, stride_vch,
+                          D, BLOCK_H, BLOCK_D)
 
 
 def _num_warps(block: int) -> int:
@@ -114,13 +153,19 @@ def _heads_per_program(num_tokens: int, num_heads: int, block_d: int) -> int:
 def qk_norm_rotary(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
     q_eps: float, k_eps: float, cos_sin_cache: torch.Tensor, rot_dim: int, zero_centered: bool = False,
+    v: torch.Tensor | None = None, kv_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D], k [T, Hkv, D], positions [T] -> (rotary(norm(q)), rotary(norm(k))), new contiguous
     tensors; see `qk_norm_rotary_reference`. q/k may be views with any token/head strides (the last
-    dim contiguous); cos_sin_cache [max_positions, rot_dim] is RotaryEmbedding's [cos | sin] table."""
+    dim contiguous); cos_sin_cache [max_positions, rot_dim] is RotaryEmbedding's [cos | sin] table.
+
+    kv_out (k_cache, v_cache, out_loc), with v [T, Hkv, D]: also store_kv(k_out, v, k_cache, v_cache,
+    out_loc) in the same launch: caches [pages, page_size, Hkv, D] (any dtype; values converted as
+    store_kv converts them) at flat slots out_loc [T] (an `attention.base.KVStoreTarget`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
     assert k.shape[0] == num_tokens and k.shape[2] == head_dim and rot_dim % 2 == 0 and rot_dim <= head_dim
+    assert (v is None) == (kv_out is None), "the fused K/V store needs both v and kv_out"
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, num_k_heads, head_dim), dtype=k.dtype, device=k.device)
     if num_tokens == 0:
@@ -129,6 +174,14 @@ def qk_norm_rotary(
     k = k if k.stride(-1) == 1 else k.contiguous()
     if cos_sin_cache.stride(-1) != 1:
         cos_sin_cache = cos_sin_cache.contiguous()
+    fused_store = kv_out is not None
+    if fused_store:
+        assert v is not None
+        k_cache, v_cache, out_loc = kv_out
+        _check_kv_out(k, v, k_cache, v_cache, out_loc)
+        v = v if v.stride(-1) == 1 else v.contiguous()
+    else:  # placeholders, never read (STORE_KV False)
+        v, k_cache, v_cache, out_loc = k, k_out, k_out, positions
     half = rot_dim // 2
     block_d = triton.next_power_of_2(head_dim)
     block_half = triton.next_power_of_2(half)
@@ -137,10 +190,28 @@ def qk_norm_rotary(
     num_q_blocks = triton.cdiv(num_q_heads, block_h)
     grid = (num_tokens, num_q_blocks + triton.cdiv(num_k_heads, block_h))
     _qk_norm_rotary_kernel[grid](
-        q, k, q_weight, k_weight, q_out, k_out, cos_sin_cache, positions,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        q, k, q_weight, k_weight, q_out, k_out, cos_sin_cache, positions, v, k_cache, v_cache, out_loc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), v.stride(0), v.stride(1),
+        k_cache.stride(-3), k_cache.stride(-2), v_cache.stride(-3), v_cache.stride(-2),
         num_q_heads, num_k_heads, num_q_blocks, float(q_eps), float(k_eps),
         D=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        ZERO_CENTERED=zero_centered, num_warps=_num_warps(block_h * block_d), **_COMPILE, **pdl_launch(q),
+        ZERO_CENTERED=zero_centered, STORE_KV=fused_store, num_warps=_num_warps(block_h * block_d), **_COMPILE,
+        **pdl_launch(q),
     )
     return q_out, k_out
+
+
+def _check_kv_out(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  out_loc: torch.Tensor) -> None:
+    """Shapes only (no host syncs). The slot stride addresses flat slots, as store_kv does: each cache
+    must be [pages, page_size, Hkv, D] with its pages and slots evenly strided (KVCache's buffers are
+    contiguous)."""
+    assert v.shape == k.shape, f"v {tuple(v.shape)} does not match k {tuple(k.shape)}"
+    assert out_loc.shape == (k.shape[0],), f"out_loc {tuple(out_loc.shape)} for {k.shape[0]} tokens"
+    for cache in (k_cache, v_cache):
+        assert cache.dim() == 4 and tuple(cache.shape[2:]) == tuple(k.shape[1:]), (
+            f"cache {tuple(cache.shape)} does not hold [Hkv, D] = {tuple(k.shape[1:])} rows"
+        )
+        assert cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1), (
+            "the cache's slots must be evenly strided (flat slot indexing)"
+        )

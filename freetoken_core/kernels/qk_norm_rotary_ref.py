@@ -23,8 +23,17 @@ def head_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
 def qk_norm_rotary_reference(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
     q_eps: float, k_eps: float, cos_sin_cache: torch.Tensor, rot_dim: int, zero_centered: bool = False,
+    v: torch.Tensor | None = None, kv_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, Hkv, D] (strided views allowed) -> (rotary(norm(q)), rotary(norm(k)))."""
+    """q [T, H, D], k [T, Hkv, D] (strided views allowed) -> (rotary(norm(q)), rotary(norm(k))).
+    kv_out (k_cache, v_cache, out_loc) with v: the new k and v also go to the paged caches at their flat
+    slots, as the attention backend's store_kv writes them (`attention/triton/reference.store_kv_reference`)."""
     qn = head_norm_torch(q, q_weight, q_eps, zero_centered)
     kn = head_norm_torch(k, k_weight, k_eps, zero_centered)
-    return rotary_reference(positions, qn, kn, cos_sin_cache, rot_dim)
+    q_out, k_out = rotary_reference(positions, qn, kn, cos_sin_cache, rot_dim)
+    if kv_out is not None:
+        assert v is not None
+        k_cache, v_cache, out_loc = kv_out
+        for cache, rows in ((k_cache, k_out), (v_cache, v)):
+            cache.view(-1, *cache.shape[2:])[out_loc.long()] = rows.to(cache.dtype)
+    return q_out, k_out

@@ -5,7 +5,9 @@ and b, a -> beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); q, k L2-
 delta-rule recurrence over the request's state (fp32); per-head gated RMSNorm
 `w * rmsnorm(o) * silu(z)`; out_proj. The gates, the L2 norms and the output norm run inside the
 recurrence kernel, and the decoder layer runs its input norm fused with in_proj (`fuses_input_norm`):
-a batch-1 decode is norm+in_proj, conv, recurrence, out_proj.
+a batch-1 decode is norm+in_proj, conv, recurrence, out_proj. Two kernel switches (env.py) fold two of
+those launches into their neighbours: the conv into the recurrence (`gdn_fused_conv`, plain decode) and,
+at one row, the output norm into out_proj's GEMV (`gdn_out_norm_gemv`, kernels/gdn_out_gemv.py).
 
 The one projection is held flat, [q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv) | b (Hv) | a (Hv)],
 so [q | k | v], z, b and a are views of one output. Qwen3.5 checkpoints store it in pieces
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from ..core import get_context
+from ..env import kernel_env
 from ..kernels import causal_conv1d_ref, gdn_ref
 from ..kvcache.linear_state import LinearStateStep, VerifyInputs
 from ..kvcache.spec import LinearStateSpec
@@ -119,6 +122,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, dtype)
         self.out_proj = Linear(self.value_dim, hidden, bias=False, dtype=dtype)
+        # the fused decode conv's [slots, Hk] counters (kernels/gdn.py conv_arrival_counters): allocated at
+        # the first fused step (the graph runner's eager warm-up, before any capture), zero between launches
+        self._conv_arrivals: torch.Tensor | None = None
 
     def cache_spec(self) -> LinearStateSpec:
         return LinearStateSpec(self.state_index, self.conv_dim, self.conv_kernel, self.num_v_heads,
@@ -129,7 +135,8 @@ class GatedDeltaNet(nn.Module):
     def attend(self, positions: torch.Tensor, proj: torch.Tensor) -> torch.Tensor:
         """proj: in_proj of the normed input rows, [T, conv_dim + value_dim + 2 Hv]. Every tensor
         between the projections is a view of its outputs (no copies); the gates and the output norm
-        run inside the recurrence (kernels/gdn.py `gating=` / `out_norm=`)."""
+        run inside the recurrence (kernels/gdn.py `gating=` / `out_norm=`), and behind their switches
+        the conv does too (plain decode) or the norm runs in out_proj's GEMV instead (one row)."""
         ctx = get_context()
         st: LinearStateStep | None = ctx.linear_state
         if ctx.hide_target_state and (st is None or st.is_target):
@@ -147,6 +154,16 @@ class GatedDeltaNet(nn.Module):
         i = self.state_index
         conv_pool, state_pool = st.pool.conv[i], st.pool.recurrent[i]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        gating = (self.A_log, self.dt_bias)  # the kernels compute g and beta from the raw a, b
+        norm_in_out_proj = self._norm_in_out_proj(proj, st)
+        out_norm = None if norm_in_out_proj else (self.norm.weight, z, self.norm.eps)
+        if self._conv_in_recurrence(proj, st):  # plain decode: conv + recurrence in one launch
+            from ..kernels import gdn
+
+            o = gdn.gdn_decode_with_conv(conv_in, weight, None, conv_pool, a, b, state_pool, st.slot_ids, st.num_rows,
+                                         self.num_k_heads, self._arrivals(conv_pool), gating=gating,
+                                         out_norm=out_norm)
+            return self._out(o, z, t, norm_in_out_proj)
         if st.varlen:
             y = conv_varlen(conv_in, weight, None, st.cu_seqlens, conv_pool, st.slot_ids, st.initial_zero)
         else:
@@ -156,8 +173,6 @@ class GatedDeltaNet(nn.Module):
         q = q.view(t, self.num_k_heads, self.head_k_dim)
         k = k.view(t, self.num_k_heads, self.head_k_dim)
         v = v.view(t, self.num_v_heads, self.head_v_dim)
-        gating = (self.A_log, self.dt_bias)  # the kernels compute g and beta from the raw a, b
-        out_norm = (self.norm.weight, z, self.norm.eps)
         if st.varlen:
             o = gdn_varlen(q, k, v, a, b, st.cu_seqlens, state_pool, st.slot_ids, st.initial_zero,
                            gating=gating, out_norm=out_norm)
@@ -168,7 +183,43 @@ class GatedDeltaNet(nn.Module):
                 # a verify step: keep what the replay of the accepted rows needs. Views, not copies:
                 # they keep this step's projection and conv outputs alive, and nothing writes those.
                 st.saved[i] = VerifyInputs(conv_in, q, k, v, a, b)
+        return self._out(o, z, t, norm_in_out_proj)
+
+    def _out(self, o: torch.Tensor, z: torch.Tensor, t: int, norm_in_out_proj: bool) -> torch.Tensor:
+        if norm_in_out_proj:  # o is the recurrence's un-normed output: the norm runs in out_proj's GEMV
+            from ..kernels.gdn_out_gemv import gdn_out_norm_gemv
+
+            return gdn_out_norm_gemv(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight, self.out_proj.bias)
         return self.out_proj(o.reshape(t, self.value_dim))  # contiguous: a view
+
+    # Batch-1 decode launches folded into their neighbours (freetoken_core/env.py, off by default; CUDA only:
+    # on CPU the layer runs the torch references, which have no launches to save).
+    def _conv_in_recurrence(self, proj: torch.Tensor, st: LinearStateStep) -> bool:
+        """FREETOKEN_GDN_FUSED_CONV: plain decode (one row per request, states written). Verify keeps the
+        separate conv (its replay needs the conv outputs, VerifyInputs), and so does prefill."""
+        return (proj.is_cuda and kernel_env().gdn_fused_conv and not st.varlen and st.rows_per_req == 1
+                and st.write_state)
+
+    def _norm_in_out_proj(self, proj: torch.Tensor, st: LinearStateStep) -> bool:
+        """FREETOKEN_GDN_OUT_NORM_GEMV: one decode row whose recurrence tile is too small to norm a whole
+        head in its epilogue (kernels/gdn.py fuses_out_norm): the norm moves into out_proj's GEMV."""
+        if not (proj.is_cuda and kernel_env().gdn_out_norm_gemv and proj.shape[0] == 1 and not st.varlen):
+            return False
+        from ..kernels import gdn, gdn_out_gemv
+
+        return (not gdn.fuses_out_norm(st.slot_ids.shape[0], self.num_v_heads, self.head_v_dim)
+                and gdn_out_gemv.use_gdn_out_norm_gemv(proj, self.out_proj.weight))
+
+    def _arrivals(self, conv_pool: torch.Tensor) -> torch.Tensor:
+        buf = self._conv_arrivals
+        if buf is None or buf.device != conv_pool.device or buf.shape[0] < conv_pool.shape[0]:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the fused GDN conv's counters must be allocated before CUDA-graph capture: "
+                                   "run the step once eagerly first (GraphRunner's warm-up does)")
+            from ..kernels import gdn
+
+            buf = self._conv_arrivals = gdn.conv_arrival_counters(conv_pool, self.num_k_heads)
+        return buf
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.in_proj(h))

@@ -23,7 +23,8 @@ from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
 from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref, topk_softmax_shared_ref
 from .linear import Linear, copy_checked
-from .norm_linear import norm_linear_normed
+from .norm import ZeroCenteredRMSNorm
+from .norm_linear import fuses_norm_gemv_normed, norm_linear_normed
 
 
 def use_fused_moe(x: torch.Tensor) -> bool:
@@ -141,15 +142,38 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_device)
 
+    # the router's last row is a stacked shared expert's gate: k + 1 routes (models/qwen3_next.py)
+    routes_shared_expert = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.from_router_logits(x, self.gate(x))
 
     def forward_with_norm(self, norm: nn.Module, x: torch.Tensor,
                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (self(norm(x + residual)), x + residual)."""
+        if kernel_env().router_topk_fused and use_fused_moe(x) and fuses_norm_gemv_normed(norm, self.gate, x, residual):
+            from ..kernels import gemv as triton_gemv  # CUDA only
+
+            weights, ids, h, residual = triton_gemv.norm_gemv_routed(
+                x, residual, norm.weight, norm.eps, self.gate.weight, self._router_topk(x.device),
+                zero_centered=type(norm) is ZeroCenteredRMSNorm)
+            return self.from_routes(h, weights, ids), residual
         logits, h, residual = norm_linear_normed(norm, self.gate, x, residual)
         return self.from_router_logits(h, logits), residual
 
     def from_router_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(logits, self.top_k, self.renormalize)
+        weights, ids = route_topk(logits, self.top_k, self.renormalize, self.routes_shared_expert)
+        return self.from_routes(x, weights, ids)
+
+    def from_routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.experts(x, weights, ids)
+
+    def _router_topk(self, device: torch.device):
+        """The top-k spec of the router's one-launch path, with this layer's arrival counter (allocated on
+        first use; zero between launches, so a CUDA graph may capture its first fill)."""
+        from ..kernels.gemv import RouterTopK
+
+        counter = getattr(self, "_route_counter", None)
+        if counter is None or counter.device != device:
+            counter = self._route_counter = torch.zeros(1, dtype=torch.int32, device=device)
+        return RouterTopK(self.top_k, self.renormalize, self.routes_shared_expert, counter)

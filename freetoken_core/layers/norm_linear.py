@@ -50,13 +50,23 @@ def norm_linear_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: t
     """-> (linear(h), h, x + residual) with h = norm(x + residual): the post-attention norm and the MoE
     router in one launch on one CUDA row (`kernels/gemv.py` norm_gemv_normed; batch-1 decode), else the
     unfused sequence."""
-    if (FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm) and linear.bias is None
-            and linear.parallel is None and norm.weight.dtype == x.dtype and residual.stride(-1) == 1):
-        from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
+    if fuses_norm_gemv_normed(norm, linear, x, residual):
+        from ..kernels import gemv as triton_gemv
 
-        if triton_gemv.use_gemv(x, linear.weight, 0):  # small weights too: this launch replaces the norm's
-            y, h, residual = triton_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
-                                                          zero_centered=type(norm) is ZeroCenteredRMSNorm)
-            return y, h, residual
+        y, h, residual = triton_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
+                                                      zero_centered=type(norm) is ZeroCenteredRMSNorm)
+        return y, h, residual
     h, residual = norm(x, residual)
     return linear(h), h, residual
+
+
+def fuses_norm_gemv_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Tensor,
+                           residual: torch.Tensor) -> bool:
+    """Whether `norm_linear_normed` runs as one launch here: one CUDA half-precision row, a norm the kernel
+    implements, a replicated linear layer without bias (small weights too: the launch replaces the norm's)."""
+    if not (FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm) and linear.bias is None
+            and linear.parallel is None and norm.weight.dtype == x.dtype and residual.stride(-1) == 1):
+        return False
+    from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
+
+    return triton_gemv.use_gemv(x, linear.weight, 0)

@@ -14,7 +14,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..core import get_context
+from ..attention.base import KVStoreTarget
+from ..core import Context, get_context
+from ..env import kernel_env
 from ..kvcache.spec import AttentionCacheSpec, LayerCacheSpec
 from ..layers import (
     Linear, MergedLinear, QKVLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, ZeroCenteredRMSNorm, rope_parameters,
@@ -78,16 +80,24 @@ class Attention(nn.Module):
         q, gate = self.split_query(q.view(t, -1, self.head_dim))
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        ctx = get_context()
+        kv_target = None
         if self._fuses_qk_norm_rotary(q):
-            q, k = self._qk_norm_rotary(positions, q, k)
+            kv_target = self._kv_store_target(ctx)
+            q, k = self._qk_norm_rotary(positions, q, k, v if kv_target is not None else None, kv_target)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        ctx = get_context()
-        o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
+        if kv_target is not None:  # the rotary kernel wrote k/v into the cache: the backend skips its store
+            o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch, kv_stored=True)
+        else:
+            o = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
         if gate is not None:
-            o = o * torch.sigmoid(gate)
+            y = self._gated_o_proj(o, gate)
+            if y is not None:
+                return y
+            o = o * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)
 
     def _fuses_qk_norm_rotary(self, q: torch.Tensor) -> bool:
@@ -99,22 +109,46 @@ class Attention(nn.Module):
 
         return fused_ops.use_fused(q) and type(self.rotary) is RotaryEmbedding  # a subclass may rotate otherwise
 
-    def _qk_norm_rotary(self, positions: torch.Tensor, q: torch.Tensor,
-                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv_store_target(self, ctx: Context) -> KVStoreTarget | None:
+        """FREETOKEN_ROTARY_STORE_KV: where the fused q/k norm + rotary kernel stores this layer's new
+        k/v itself (the backend's `kv_store_target`: Triton decode/verify steps), one launch fewer; None:
+        the backend stores them."""
+        if not kernel_env().rotary_store_kv:
+            return None
+        return ctx.attn_backend.kv_store_target(self.layer_id, ctx.batch)
+
+    def _qk_norm_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor | None = None,
+                        kv_out: KVStoreTarget | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         from ..kernels.qk_norm_rotary import qk_norm_rotary
 
         assert self.q_norm is not None and self.k_norm is not None
         return qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                               self.k_norm.eps, self.rotary.cos_sin_cache, self.rotary.rot_dim,
-                              zero_centered=isinstance(self.q_norm, ZeroCenteredRMSNorm))
+                              zero_centered=isinstance(self.q_norm, ZeroCenteredRMSNorm), v=v, kv_out=kv_out)
+
+    def _gated_o_proj(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+        """FREETOKEN_ATTN_GATE_GEMV: o_proj(o * sigmoid(gate)) for one CUDA row that o_proj sends to the
+        Triton GEMV anyway, the gate applied to the GEMV's input row as it loads (rounded as the torch ops
+        round it): a gate copy, a sigmoid and a multiply fewer. None: the caller takes the torch ops.
+        Not under tensor parallelism (a row-parallel o_proj all-reduces after its GEMV)."""
+        proj = self.o_proj
+        if not kernel_env().attn_gate_gemv or not o.is_cuda or type(proj) is not Linear or proj.parallel is not None:
+            return None
+        from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
+
+        if gate.dtype != o.dtype or not triton_gemv.use_gemv(o, proj.weight, proj.gemv_min_elements):
+            return None
+        return triton_gemv.gemv(o, proj.weight, proj.bias, gate=gate)
 
     def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[T, H, D] -> (q, None); the gated attention's [T, H, 2D] -> (q, gate [T, H * D])."""
+        """[T, H, D] -> (q, None); the gated attention's [T, H, 2D] -> (q, gate), both [T, H, D] views
+        (the gate stays strided: the gated o_proj GEMV reads it in place)."""
         if q.shape[1] == self.num_heads:
             return q, None
         t = q.shape[0]
         q = q.reshape(t, self.num_heads, 2 * self.head_dim)
-        return q[..., : self.head_dim], q[..., self.head_dim:].reshape(t, self.num_heads * self.head_dim)
+        return q[..., : self.head_dim], q[..., self.head_dim:]
 
 
 class DenseMLP(nn.Module):

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..layers import Linear, ZeroCenteredRMSNorm
 from ..layers.gdn import GatedDeltaNet
-from ..layers.moe import SparseMoeBlock, route_topk
+from ..layers.moe import SparseMoeBlock
 from .base import DENSE_PACKED, CausalLM
 from .blocks import Attention, DecoderLayer, DenseMLP, check_silu
 from .qwen3_moe import EXPERT_RULES, is_sparse_layer, num_experts_of
@@ -104,12 +104,15 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_fused = True
         return True
 
-    def from_router_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        if self.shared_fused:  # router + shared gate in one GEMV, one top-k, k + 1 routes
-            weights, ids = route_topk(logits, self.top_k, self.renormalize, shared_expert=True)
+    @property
+    def routes_shared_expert(self) -> bool:  # stacked: router + shared gate in one GEMV, one top-k, k + 1 routes
+        return self.shared_fused
+
+    def from_routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.shared_fused:
             return self.experts(x, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().from_router_logits(x, logits) + shared
+        return self.experts(x, weights, ids) + shared
 
 
 class Qwen3NextForCausalLM(CausalLM):

@@ -312,3 +312,184 @@ def test_norm_gemv_normed_bf16_router_shapes(n, zero_centered):
     assert (normed == want_normed).float().mean() > 0.99
     want_logits, _ = triton_gemv.norm_gemv_reference(x, r, g, 1e-6, w, None, zero_centered=zero_centered)
     torch.testing.assert_close(logits, want_logits, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_norm_gemv_routed_equals_router_then_topk(dtype, shared, renormalize):
+    """FREETOKEN_ROUTER_TOPK_FUSED's kernel: the post-attention norm, the router GEMV and its top-k in one
+    launch (the last program ranks the logits) gives the routes of norm_gemv_normed + topk_softmax exactly,
+    and leaves its arrival counter at zero for the next launch."""
+    from freetoken_core.kernels import moe_router
+
+    k, experts, top_k = 256, 72, 4  # 72 (+1) router rows: several programs arrive
+    n = experts + int(shared)
+    x, r = _randn(1, k, dtype=dtype, seed=31), _randn(1, k, dtype=dtype, seed=32)
+    g = 1 + 0.1 * _randn(k, dtype=dtype, seed=33)
+    w = _randn(n, k, dtype=dtype, seed=34) * (3.0 / k ** 0.5)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    route = triton_gemv.RouterTopK(top_k, renormalize, shared, counter)
+    for step in range(2):  # a second launch on the same counter
+        weights, ids, normed, h = triton_gemv.norm_gemv_routed(x * (step + 1), r, g, 1e-5, w, route)
+        logits, want_normed, want_h = triton_gemv.norm_gemv_normed(x * (step + 1), r, g, 1e-5, w)
+        want_w, want_ids = moe_router.topk_softmax(logits, top_k, renormalize, shared)
+        assert weights.shape == ids.shape == (1, top_k + int(shared))
+        torch.testing.assert_close(ids, want_ids, atol=0, rtol=0)
+        torch.testing.assert_close(weights, want_w, atol=0, rtol=0)
+        torch.testing.assert_close(normed, want_normed, atol=0, rtol=0)
+        torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+        assert counter.item() == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("experts,shared,zero_centered", [(128, False, False), (256, True, True)])
+def test_norm_gemv_routed_bf16_router_shapes_in_a_cuda_graph(experts, shared, zero_centered):
+    """The real router shapes (Qwen3-30B-A3B: 128 x 2048; Qwen3.6 with its shared gate: 257 x 2048) on the
+    compiled kernel, captured once and replayed on new inputs: the routes equal the two-launch path's."""
+    from freetoken_core.kernels import moe_router
+
+    k, top_k = 2048, 8
+    n = experts + int(shared)
+    w = _randn(n, k, dtype=torch.bfloat16, seed=41) * (3.0 / k ** 0.5)
+    g = 0.1 * _randn(k, dtype=torch.bfloat16, seed=42) + (0 if zero_centered else 1)
+    route = triton_gemv.RouterTopK(top_k, True, shared, torch.zeros(1, dtype=torch.int32, device="cuda"))
+    x, r = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda"), torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+    triton_gemv.norm_gemv_routed(x, r, g, 1e-6, w, route, zero_centered=zero_centered)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids, normed, h = triton_gemv.norm_gemv_routed(x, r, g, 1e-6, w, route, zero_centered=zero_centered)
+    for seed in (43, 44, 45):
+        x.copy_(_randn(1, k, dtype=torch.bfloat16, seed=seed))
+        r.copy_(_randn(1, k, dtype=torch.bfloat16, seed=seed + 100))
+        graph.replay()
+        logits, want_normed, want_h = triton_gemv.norm_gemv_normed(x, r, g, 1e-6, w, zero_centered=zero_centered)
+        want_w, want_ids = moe_router.topk_softmax(logits, top_k, True, shared)
+        torch.testing.assert_close(ids, want_ids, atol=0, rtol=0)
+        torch.testing.assert_close(weights, want_w, atol=0, rtol=0)
+        torch.testing.assert_close(normed, want_normed, atol=0, rtol=0)
+        torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+    assert route.counter.item() == 0
+
+
+@needs_cuda
+def test_moe_block_routes_in_the_router_launch(monkeypatch):
+    """SparseMoeBlock.forward_with_norm with FREETOKEN_ROUTER_TOPK_FUSED=1 on one bf16 row equals the
+    switch off (the same logits, ranked in the router's launch instead of a top-k launch)."""
+    from freetoken_core import env
+    from freetoken_core.layers import RMSNorm
+    from freetoken_core.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(0)
+    norm = RMSNorm(2048, 1e-6, torch.bfloat16).cuda()
+    block = SparseMoeBlock(2048, 128, 8, 768, True, torch.bfloat16).cuda()
+    for p in block.parameters():
+        p.data.normal_(0, 3.0 / 2048 ** 0.5)
+    x, r = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda"), torch.randn(1, 2048, dtype=torch.bfloat16,
+                                                                                  device="cuda")
+    outs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FREETOKEN_ROUTER_TOPK_FUSED", flag)
+        env.kernel_env.cache_clear()
+        with torch.no_grad():
+            outs[flag] = block.forward_with_norm(norm, x, r)
+    env.kernel_env.cache_clear()
+    torch.testing.assert_close(outs["1"][0], outs["0"][0], atol=0, rtol=0)
+    torch.testing.assert_close(outs["1"][1], outs["0"][1], atol=0, rtol=0)
+
+
+# --- the gated attention's o_proj: o * sigmoid(gate) applied to the input row (FREETOKEN_ATTN_GATE_GEMV) ---
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("k", [200, 256])  # K not / a multiple of block_k
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_gemv_matches_reference(dtype, k, bias):
+    n = 72
+    x = _randn(1, k, dtype=dtype, seed=21)
+    gate = 3.0 * _randn(1, k, dtype=dtype, seed=22)  # sigmoid over its whole range
+    w = _randn(n, k, dtype=dtype, seed=23) * 0.1
+    b = _randn(n, dtype=dtype, seed=24) if bias else None
+    got = gemv(x, w, b, block_n=16, block_k=64, num_warps=4, num_stages=2, gate=gate)
+    want = gemv_reference(x, w, b, gate=gate)
+    torch.testing.assert_close(want, gemv_reference(x * torch.sigmoid(gate), w, b), atol=0, rtol=0)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("d", [16, 12])  # heads that fill K tiles of 32 evenly / straddle them
+def test_gated_gemv_reads_a_strided_gate_in_place(d):
+    """The gate as Attention.split_query leaves it: [1, H, D] heads of the [q | gate] rows, 2D apart."""
+    heads, k_tile = 5, 32
+    rows = _randn(1, heads, 2 * d, dtype=torch.float16, seed=31)
+    gate = rows[..., d:]
+    x = _randn(1, heads * d, dtype=torch.float16, seed=32)
+    w = _randn(40, heads * d, dtype=torch.float16, seed=33) * 0.1
+    got = gemv(x, w, block_n=16, block_k=k_tile, gate=gate)
+    contiguous = gemv(x, w, block_n=16, block_k=k_tile, gate=gate.reshape(1, -1))
+    torch.testing.assert_close(got, contiguous, atol=0, rtol=0)
+    torch.testing.assert_close(got, gemv_reference(x, w, gate=gate), atol=2e-2, rtol=1e-2)
+
+
+def test_gated_gemv_rounds_like_torch_per_element():
+    """W = I: each output is one input element, so the transformed row itself is compared. fp16 under the
+    interpreter (numpy's exp vs torch's: allow a rare last-place flip); on the GPU the bf16 test is exact."""
+    k = 128
+    x = _randn(1, k, dtype=torch.float16, seed=41)
+    gate = 4.0 * _randn(1, k, dtype=torch.float16, seed=42)
+    eye = torch.eye(k, dtype=torch.float16, device=DEV)
+    got = gemv(x, eye, block_n=16, block_k=64, gate=gate)
+    want = x * torch.sigmoid(gate)
+    assert (got != want).float().mean().item() <= 0.02
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+
+
+def test_gated_gemv_checks_the_gate():
+    x = torch.zeros(1, 32, device=DEV)
+    w = torch.zeros(16, 32, device=DEV)
+    with pytest.raises(AssertionError, match="does not fit"):
+        gemv(x, w, block_n=16, block_k=32, gate=torch.zeros(1, 16, device=DEV))
+    with pytest.raises(AssertionError, match="does not fit"):
+        gemv(x, w, block_n=16, block_k=32, gate=torch.zeros(1, 32, device=DEV, dtype=torch.float16))
+
+
+@needs_cuda
+@pytest.mark.parametrize("heads,d", [(16, 256), (32, 128)])  # Qwen3.6's o_proj input (4096), a 32 x 128 one
+def test_gpu_gated_gemv_bf16_is_the_unfused_path_bit_for_bit(heads, d):
+    """bf16 at Qwen3.6's o_proj (2048 x 4096, its measured tile): equal bits to the unfused path (torch's
+    sigmoid and multiply, then the same GEMV), and with W = I the gated row itself equals torch's."""
+    k = heads * d
+    rows = _randn(1, heads, 2 * d, dtype=torch.bfloat16, seed=51) * 4.0
+    gate = rows[..., d:]
+    o = _randn(1, k, dtype=torch.bfloat16, seed=52)
+    w = _randn(2048, k, dtype=torch.bfloat16, seed=53) * 0.02
+    unfused = o * torch.sigmoid(gate.reshape(1, -1))
+    torch.testing.assert_close(gemv(o, w, gate=gate), gemv(unfused, w), atol=0, rtol=0)
+    torch.testing.assert_close(gemv(o, w, gate=gate), gemv_reference(o, w, gate=gate), atol=3e-2, rtol=2e-2)
+    # every bf16 gate value in [-64, 64] through the sigmoid and the product (past that sigmoid's tail
+    # nears fp32's subnormals, where flush-to-zero choices rather than rounding would be tested)
+    sweep = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    sweep = sweep[torch.isfinite(sweep) & (sweep.float().abs() <= 64.0)].cuda()
+    eye = torch.eye(k, dtype=torch.bfloat16, device="cuda")
+    for start in range(0, sweep.numel(), k):
+        g = sweep[start: start + k]
+        g = torch.cat([g, g.new_zeros(k - g.numel())]).view(1, k)
+        x = _randn(1, k, dtype=torch.bfloat16, seed=start)
+        torch.testing.assert_close(gemv(x, eye, gate=g), x * torch.sigmoid(g), atol=0, rtol=0)
+
+
+@needs_cuda
+def test_gpu_gated_gemv_replays_in_a_cuda_graph():
+    heads, d = 16, 256
+    rows = torch.randn(1, heads, 2 * d, dtype=torch.bfloat16, device="cuda")
+    o = torch.randn(1, heads * d, dtype=torch.bfloat16, device="cuda")
+    w = torch.randn(2048, heads * d, dtype=torch.bfloat16, device="cuda") * 0.02
+    gemv(o, w, gate=rows[..., d:])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemv(o, w, gate=rows[..., d:])
+    rows.copy_(torch.randn_like(rows))
+    o.copy_(torch.randn_like(o))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, gemv(o * torch.sigmoid(rows[..., d:].reshape(1, -1)), w), atol=0, rtol=0)

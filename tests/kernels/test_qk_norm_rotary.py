@@ -200,3 +200,145 @@ def test_attention_fused_call_equals_its_unfused_modules(gated):
     want = attn.rotary(pos, attn.q_norm(q), attn.k_norm(k))  # the unfused path of this device
     for g, w in zip(got, want):
         _assert_ulp_close(g, w)
+
+
+# ------------------------------------------------------- the K/V cache store in the same launch (kv_out)
+
+
+def _kv_case(head_dim: int, rot_dim: int, num_q: int, num_kv: int, dtype: torch.dtype, page_size: int,
+             device: str = DEV, num_tokens: int = 3, gated: bool = False, cache_dtype: torch.dtype | None = None,
+             loc_dtype: torch.dtype = torch.int64):
+    """A `_case` plus v (a view of the same fused row), random paged caches and the rows' flat slots."""
+    rope, pos, q, k, wq, wk = _case(head_dim, rot_dim, num_q, num_kv, dtype, device, num_tokens, gated)
+    # v: the block after k in the same fused QKV rows (`_case` leaves room for it)
+    v = k.as_strided(k.shape, k.stride(), k.storage_offset() + num_kv * head_dim)
+    num_pages = (2 * num_tokens) // page_size + 3
+    shape = (num_pages, page_size, num_kv, head_dim)
+    k_cache = _randn(*shape, dtype=cache_dtype or dtype, device=device, seed=7)
+    v_cache = _randn(*shape, dtype=cache_dtype or dtype, device=device, seed=8)
+    g = torch.Generator().manual_seed(9)
+    # distinct slots off the dummy page, spread over the pages (a slot inside a page when page_size > 1)
+    loc = (torch.randperm((num_pages - 1) * page_size, generator=g)[:num_tokens] + page_size).to(device, loc_dtype)
+    return rope, pos, q, k, v, wq, wk, k_cache, v_cache, loc
+
+
+KV_CASES = [  # head_dim, rot_dim, num_q, num_kv, gated
+    (16, 16, 4, 2, False),
+    (32, 8, 2, 2, True),  # gated q, partial rotary (the pass-through lanes are stored too)
+    (24, 16, 3, 1, False),  # head_dim not a power of two
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("head_dim,rot_dim,num_q,num_kv,gated", KV_CASES)
+def test_kv_out_equals_store_kv_after_the_kernel(head_dim, rot_dim, num_q, num_kv, gated, dtype, page_size):
+    """With kv_out: the same q/k outputs and, in every page and slot (touched or not), exactly what the
+    backend's store_kv writes from them."""
+    from freetoken_core.attention.triton.store_kv import store_kv
+
+    rope, pos, q, k, v, wq, wk, kc, vc, loc = _kv_case(head_dim, rot_dim, num_q, num_kv, dtype, page_size,
+                                                        gated=gated)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    args = (pos, q, k, wq, wk, 1e-6, 1e-5, rope.cos_sin_cache, rot_dim)
+    want_q, want_k = qk_norm_rotary(*args)
+    store_kv(want_k, v, want_kc, want_vc, loc)
+    got_q, got_k = qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc))
+    for got, want in ((got_q, want_q), (got_k, want_k), (kc, want_kc), (vc, want_vc)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_kv_out_matches_reference(page_size, zero_centered):
+    """Against the plain-torch reference's own store (`qk_norm_rotary_reference(..., kv_out=...)`); an
+    fp32 cache under an fp16 model: the values converted as store_kv converts them; int32 slots."""
+    from freetoken_core.attention.triton import reference as attn_ref
+
+    dtype = torch.float16
+    rope, pos, q, k, v, wq, wk, kc, vc, loc = _kv_case(32, 8, 2, 2, dtype, page_size, gated=True,
+                                                        cache_dtype=torch.float32, loc_dtype=torch.int32)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    args = (pos, q, k, wq, wk, 1e-6, 1e-6, rope.cos_sin_cache, 8, zero_centered)
+    got_q, got_k = qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc))
+    ref_q, ref_k = qk_norm_rotary_reference(*args, v=v, kv_out=(ref_kc, ref_vc, loc))
+    _assert_ulp_close(got_q, ref_q)
+    _assert_ulp_close(got_k, ref_k)
+    torch.testing.assert_close(vc, ref_vc, atol=0, rtol=0)  # v: a copy
+    flat = kc.view(-1, *kc.shape[2:])
+    torch.testing.assert_close(flat[loc.long()], got_k.float(), atol=0, rtol=0)  # the kernel's k, converted
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[loc.long().cpu()] = False
+    torch.testing.assert_close(flat[untouched], ref_kc.view(-1, *kc.shape[2:])[untouched], atol=0, rtol=0)
+    attn_ref.store_kv_reference(got_k, v, ref_kc, ref_vc, loc)  # and that is the reference store of it
+    torch.testing.assert_close(kc, ref_kc, atol=0, rtol=0)
+
+
+def test_kv_out_with_several_heads_per_program():
+    """Past _ONE_HEAD_MAX_TOKENS tokens a program takes a block of heads: the store follows."""
+    from freetoken_core.attention.triton.store_kv import store_kv
+
+    rope, pos, q, k, v, wq, wk, kc, vc, loc = _kv_case(16, 16, 6, 3, torch.float32, 4, num_tokens=66)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    args = (pos, q, k, wq, wk, 1e-6, 1e-6, rope.cos_sin_cache, 16)
+    want = qk_norm_rotary(*args)
+    store_kv(want[1], v, want_kc, want_vc, loc)
+    got = qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc))
+    for g, w in zip((*got, kc, vc), (*want, want_kc, want_vc)):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_kv_out_needs_v_and_a_matching_cache():
+    rope, pos, q, k, v, wq, wk, kc, vc, loc = _kv_case(16, 16, 4, 2, torch.float32, 1)
+    args = (pos, q, k, wq, wk, 1e-6, 1e-6, rope.cos_sin_cache, 16)
+    with pytest.raises(AssertionError, match="both v and kv_out"):
+        qk_norm_rotary(*args, kv_out=(kc, vc, loc))
+    with pytest.raises(AssertionError, match="does not hold"):
+        qk_norm_rotary(*args, v=v, kv_out=(kc[..., :8], vc, loc))
+    with pytest.raises(AssertionError, match="out_loc"):
+        qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc[:1]))
+
+
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("num_tokens", [1, 4])
+@pytest.mark.parametrize("head_dim,rot_dim,num_q,num_kv,gated,zero_centered", [
+    (128, 128, 32, 4, False, False),  # Qwen3-30B-A3B
+    (256, 64, 16, 2, True, True),  # Qwen3.6 gated attention (partial rotary 0.25)
+])
+def test_gpu_kv_out_equals_store_kv(head_dim, rot_dim, num_q, num_kv, gated, zero_centered, num_tokens, page_size):
+    from freetoken_core.attention.triton.store_kv import store_kv
+
+    rope, pos, q, k, v, wq, wk, kc, vc, loc = _kv_case(head_dim, rot_dim, num_q, num_kv, torch.bfloat16, page_size,
+                                                        "cuda", num_tokens, gated)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    args = (pos, q, k, wq, wk, 1e-6, 1e-6, rope.cos_sin_cache, rot_dim, zero_centered)
+    want = qk_norm_rotary(*args)
+    store_kv(want[1], v, want_kc, want_vc, loc)
+    got = qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc))
+    for g, w in zip((*got, kc, vc), (*want, want_kc, want_vc)):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+@needs_cuda
+def test_gpu_kv_out_replays_in_a_cuda_graph():
+    """The slots are read on the device: a replay with new out_loc values stores there."""
+    from freetoken_core.attention.triton.store_kv import store_kv
+
+    rope, pos, q, k, v, wq, wk, kc, vc, loc = _kv_case(256, 64, 16, 2, torch.bfloat16, 16, "cuda", 1, True)
+    args = (pos, q, k, wq, wk, 1e-6, 1e-6, rope.cos_sin_cache, 64, True)
+    qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc))
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = qk_norm_rotary(*args, v=v, kv_out=(kc, vc, loc))
+    q.copy_(torch.randn_like(q))
+    v.copy_(torch.randn_like(v))
+    loc.fill_(37)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = qk_norm_rotary(*args)
+    store_kv(want[1], v, want_kc, want_vc, loc)
+    for g, w in zip((*out, kc, vc), (*want, want_kc, want_vc)):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)

@@ -1,7 +1,8 @@
 """TritonBackend: store_kv + paged decode (flash-decoding) or extend attention, all Triton kernels.
 
 Per step, `prepare_metadata` sends the batch's integers to the device once (one copy); every layer
-then launches store_kv and one attention kernel. Decode and verify batches (R rows per request,
+then launches store_kv and one attention kernel (decode/verify: the store can be the q/k norm +
+rotary kernel's instead, `kv_store_target`). Decode and verify batches (R rows per request,
 R = 1 for decode) use the decode kernel; prefill batches use the extend kernel.
 
 CUDA graphs (engine/graph.py): `init_capture_graph` allocates static metadata and split scratch
@@ -21,7 +22,7 @@ import torch
 
 from ...core import Batch, pinned, to_device
 from ...kvcache.pool import KVCache
-from ..base import AttnBackend, AttnLayout, BackendInfo
+from ..base import AttnBackend, AttnLayout, BackendInfo, KVStoreTarget
 from . import interpreter_on
 from .decode import alloc_partials, alloc_split_counters, decode_attention, num_kv_splits
 from .extend import extend_attention
@@ -130,10 +131,23 @@ class TritonBackend(AttnBackend):
         )
 
     # --- forward ----------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def kv_store_target(self, layer_id: int, batch: Batch) -> KVStoreTarget | None:
+        """Decode and verify batches: the layer's caches and `batch.out_loc`, exactly what `forward`'s
+        store_kv writes (the q/k norm + rotary kernel then stores instead: one launch fewer per layer in
+        the launch-bound small-batch steps). Prefill keeps store_kv."""
+        md = batch.attn_metadata
+        if not isinstance(md, TritonAttnMetadata) or md.phase == "prefill":
+            return None
+        k_cache, v_cache = self.kv_cache.layer(layer_id)
+        return KVStoreTarget(k_cache, v_cache, batch.out_loc)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch,
+                kv_stored: bool = False) -> torch.Tensor:
+        """kv_stored: k/v are already in the cache at `kv_store_target`'s slots (no store_kv launch)."""
         md: TritonAttnMetadata = batch.attn_metadata
         k_cache, v_cache = self.kv_cache.layer(layer_id)
-        store_kv(k, v, k_cache, v_cache, batch.out_loc)
+        if not kv_stored:
+            store_kv(k, v, k_cache, v_cache, batch.out_loc)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if md.phase == "prefill":
