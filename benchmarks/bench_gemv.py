@@ -23,9 +23,8 @@ import triton
 
 from bench_decode import SHAPES, copy_bandwidth
 from freetoken_core.kernels import fused_ops as triton_ops
-from freetoken_core.kernels.gemv import (
-    ROWS_GEMM_CONFIG, default_config, gemv, gemv_reference, norm_gemv, norm_gemv_reference, rows_gemm,
-)
+from freetoken_core.kernels.gemv import ROWS_GEMM_CONFIG, default_config, gemv, gemv_reference, rows_gemm
+from freetoken_core.kernels.norm_gemv import norm_gemv, norm_gemv_reference
 
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))]

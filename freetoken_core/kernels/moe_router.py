@@ -76,7 +76,7 @@ def _store_shared_route(logits_ptr, weights_ptr, ids_ptr, row, E, stride_l, TOP_
 @triton.jit
 def rank_when_last(logits_ptr, count_ptr, weights_ptr, ids_ptr, E, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                    SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, OUT_K: tl.constexpr):
-    """The epilogue of a one-row router GEMV (kernels/gemv.py, FREETOKEN_ROUTER_TOPK_FUSED): each program
+    """The epilogue of a one-row router GEMV (kernels/norm_gemv.py, FREETOKEN_ROUTER_TOPK_FUSED): each program
     has stored its logits; the last one to arrive ranks the whole row (one launch fewer than a top-k
     kernel after the GEMV). The barrier orders every thread's logit stores before the program's
     arrival, the acq_rel atomic publishes them to (and acquires the others' for) the last program,

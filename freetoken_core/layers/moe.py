@@ -152,9 +152,9 @@ class SparseMoeBlock(nn.Module):
                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (self(norm(x + residual)), x + residual)."""
         if kernel_env().router_topk_fused and use_fused_moe(x) and fuses_norm_gemv_normed(norm, self.gate, x, residual):
-            from ..kernels import gemv as triton_gemv  # CUDA only
+            from ..kernels import norm_gemv as triton_norm_gemv  # CUDA only
 
-            weights, ids, h, residual = triton_gemv.norm_gemv_routed(
+            weights, ids, h, residual = triton_norm_gemv.norm_gemv_routed(
                 x, residual, norm.weight, norm.eps, self.gate.weight, self._router_topk(x.device),
                 zero_centered=type(norm) is ZeroCenteredRMSNorm)
             return self.from_routes(h, weights, ids), residual
@@ -171,7 +171,7 @@ class SparseMoeBlock(nn.Module):
     def _router_topk(self, device: torch.device):
         """The top-k spec of the router's one-launch path, with this layer's arrival counter (allocated on
         first use; zero between launches, so a CUDA graph may capture its first fill)."""
-        from ..kernels.gemv import RouterTopK
+        from ..kernels.norm_gemv import RouterTopK
 
         counter = getattr(self, "_route_counter", None)
         if counter is None or counter.device != device:

@@ -3,7 +3,7 @@ gated MLP SiLU-and-mul, as one call; `norm_linear_normed` also returns the norme
 whose experts take that row).
 
 On one CUDA row of a large half-precision weight (batch-1 decode) this is one Triton launch
-(`kernels/gemv.py` norm_gemv) instead of two or three: the GEMV programs read the whole input row
+(`kernels/norm_gemv.py`) instead of two or three: the GEMV programs read the whole input row
 anyway, so they norm it on the fly. Everywhere else it is exactly the unfused sequence. (A
 multi-row version for speculative verify steps was measured slower than the separate RMSNorm and
 `rows_gemm`: 1.09 vs 0.87 ms per SmolLM2 k = 8 step, benchmarks/RESULTS.md.)
@@ -29,13 +29,13 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
                       and linear.out_sizes[0] == linear.out_sizes[1]):
         raise ValueError("gated norm_linear needs a [gate | up] MergedLinear of two equal halves")
     if FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm):  # the two norms the kernel implements
-        from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
+        from ..kernels import gemv as triton_gemv, norm_gemv as triton_norm_gemv  # first CUDA use only
 
         # not for the gated MLP: there the fused kernel measured slower than the three it would
         # replace (benchmarks/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)
         if (not gated and triton_gemv.use_gemv(x, linear.weight, linear.gemv_min_elements)
                 and norm.weight.dtype == x.dtype and (residual is None or residual.stride(-1) == 1)):
-            return triton_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
+            return triton_norm_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
                                          zero_centered=type(norm) is ZeroCenteredRMSNorm)
     if residual is None:
         residual, h = x, norm(x)
@@ -48,12 +48,12 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
 def norm_linear_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Tensor,
                        residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (linear(h), h, x + residual) with h = norm(x + residual): the post-attention norm and the MoE
-    router in one launch on one CUDA row (`kernels/gemv.py` norm_gemv_normed; batch-1 decode), else the
+    router in one launch on one CUDA row (`kernels/norm_gemv.py` norm_gemv_normed; batch-1 decode), else the
     unfused sequence."""
     if fuses_norm_gemv_normed(norm, linear, x, residual):
-        from ..kernels import gemv as triton_gemv
+        from ..kernels import norm_gemv as triton_norm_gemv
 
-        y, h, residual = triton_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
+        y, h, residual = triton_norm_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
                                                       zero_centered=type(norm) is ZeroCenteredRMSNorm)
         return y, h, residual
     h, residual = norm(x, residual)

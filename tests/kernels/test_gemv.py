@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from freetoken_core.kernels import gemv as triton_gemv
+from freetoken_core.kernels import norm_gemv as triton_norm_gemv
 from freetoken_core.layers.linear import GEMV_MIN_ELEMENTS, Linear, use_gemv_for_all_sizes
 from freetoken_core.kernels.gemv import gemv, gemv_reference, rows_gemm
 
@@ -170,8 +171,8 @@ def test_norm_gemv_matches_reference(dtype, residual, gated, norm, k):
     g = 1 + 0.1 * _randn(k, dtype=dtype, seed=7) if norm else None
     w = _randn(2 * n if gated else n, k, dtype=dtype, seed=2) * 0.1
     b = _randn(w.shape[0], dtype=dtype, seed=3)
-    got, h = triton_gemv.norm_gemv(x, r, g, 1e-5, w, b, gated, block_n=16, block_k=64, num_warps=4, num_stages=2)
-    want, want_h = triton_gemv.norm_gemv_reference(x, r, g, 1e-5, w, b, gated)
+    got, h = triton_norm_gemv.norm_gemv(x, r, g, 1e-5, w, b, gated, block_n=16, block_k=64, num_warps=4, num_stages=2)
+    want, want_h = triton_norm_gemv.norm_gemv_reference(x, r, g, 1e-5, w, b, gated)
     assert got.shape == (1, n)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -207,8 +208,8 @@ def test_norm_gemv_bf16_8b_shapes(n, k, gated):
     r = _randn(1, k, dtype=torch.bfloat16, seed=8)
     g = 1 + 0.1 * _randn(k, dtype=torch.bfloat16, seed=9)
     w = _randn(2 * n if gated else n, k, dtype=torch.bfloat16, seed=5) * 0.02
-    got, h = triton_gemv.norm_gemv(x, r, g, 1e-5, w, None, gated)
-    want, want_h = triton_gemv.norm_gemv_reference(x, r, g, 1e-5, w, None, gated)
+    got, h = triton_norm_gemv.norm_gemv(x, r, g, 1e-5, w, None, gated)
+    want, want_h = triton_norm_gemv.norm_gemv_reference(x, r, g, 1e-5, w, None, gated)
     # the unfused path rounds the normed row to bf16 twice before the GEMV; the fused one does not
     torch.testing.assert_close(got, want, atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(h, want_h, atol=0, rtol=0)
@@ -230,7 +231,7 @@ def test_norm_linear_fused_in_a_cuda_graph():
         static_y, static_h = norm_linear(norm, lin, static_x, static_r, gated=True)
     static_x.copy_(x * 2)
     g.replay()
-    want, want_h = triton_gemv.norm_gemv_reference(x * 2, r, norm.weight, 1e-5, lin.weight, None, True)
+    want, want_h = triton_norm_gemv.norm_gemv_reference(x * 2, r, norm.weight, 1e-5, lin.weight, None, True)
     torch.testing.assert_close(static_y, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(static_h, want_h, atol=0, rtol=0)
 
@@ -248,8 +249,8 @@ def test_norm_gemv_normed_matches_reference(dtype, zero_centered, k):
     x, r = _randn(1, k, dtype=dtype, seed=11), _randn(1, k, dtype=dtype, seed=12)
     g = 0.1 * _randn(k, dtype=dtype, seed=13) + (0 if zero_centered else 1)
     w = _randn(n, k, dtype=dtype, seed=14) * 0.1
-    logits, normed, h = triton_gemv.norm_gemv_normed(x, r, g, 1e-5, w, zero_centered=zero_centered)
-    want_logits, want_h = triton_gemv.norm_gemv_reference(x, r, g, 1e-5, w, None, zero_centered=zero_centered)
+    logits, normed, h = triton_norm_gemv.norm_gemv_normed(x, r, g, 1e-5, w, zero_centered=zero_centered)
+    want_logits, want_h = triton_norm_gemv.norm_gemv_reference(x, r, g, 1e-5, w, None, zero_centered=zero_centered)
     want_normed = (zero_centered_rms_norm_torch if zero_centered else rms_norm_torch)(x + r, g, 1e-5)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(logits, want_logits, **tol)
@@ -305,12 +306,12 @@ def test_norm_gemv_normed_bf16_router_shapes(n, zero_centered):
     x, r = _randn(1, k, dtype=torch.bfloat16, seed=21), _randn(1, k, dtype=torch.bfloat16, seed=22)
     g = 0.1 * _randn(k, dtype=torch.bfloat16, seed=23) + (0 if zero_centered else 1)
     w = _randn(n, k, dtype=torch.bfloat16, seed=24) * 0.02
-    logits, normed, h = triton_gemv.norm_gemv_normed(x, r, g, 1e-6, w, zero_centered=zero_centered)
+    logits, normed, h = triton_norm_gemv.norm_gemv_normed(x, r, g, 1e-6, w, zero_centered=zero_centered)
     want_normed, want_h = fused_add_rmsnorm(x.clone(), r.clone(), g, 1e-6, zero_centered=zero_centered)
     torch.testing.assert_close(h, want_h, atol=0, rtol=0)
     torch.testing.assert_close(normed, want_normed, atol=1e-2, rtol=1e-2)  # one bf16 step at most
     assert (normed == want_normed).float().mean() > 0.99
-    want_logits, _ = triton_gemv.norm_gemv_reference(x, r, g, 1e-6, w, None, zero_centered=zero_centered)
+    want_logits, _ = triton_norm_gemv.norm_gemv_reference(x, r, g, 1e-6, w, None, zero_centered=zero_centered)
     torch.testing.assert_close(logits, want_logits, atol=5e-2, rtol=2e-2)
 
 
@@ -329,10 +330,10 @@ def test_norm_gemv_routed_equals_router_then_topk(dtype, shared, renormalize):
     g = 1 + 0.1 * _randn(k, dtype=dtype, seed=33)
     w = _randn(n, k, dtype=dtype, seed=34) * (3.0 / k ** 0.5)
     counter = torch.zeros(1, dtype=torch.int32, device=DEV)
-    route = triton_gemv.RouterTopK(top_k, renormalize, shared, counter)
+    route = triton_norm_gemv.RouterTopK(top_k, renormalize, shared, counter)
     for step in range(2):  # a second launch on the same counter
-        weights, ids, normed, h = triton_gemv.norm_gemv_routed(x * (step + 1), r, g, 1e-5, w, route)
-        logits, want_normed, want_h = triton_gemv.norm_gemv_normed(x * (step + 1), r, g, 1e-5, w)
+        weights, ids, normed, h = triton_norm_gemv.norm_gemv_routed(x * (step + 1), r, g, 1e-5, w, route)
+        logits, want_normed, want_h = triton_norm_gemv.norm_gemv_normed(x * (step + 1), r, g, 1e-5, w)
         want_w, want_ids = moe_router.topk_softmax(logits, top_k, renormalize, shared)
         assert weights.shape == ids.shape == (1, top_k + int(shared))
         torch.testing.assert_close(ids, want_ids, atol=0, rtol=0)
@@ -353,17 +354,17 @@ def test_norm_gemv_routed_bf16_router_shapes_in_a_cuda_graph(experts, shared, ze
     n = experts + int(shared)
     w = _randn(n, k, dtype=torch.bfloat16, seed=41) * (3.0 / k ** 0.5)
     g = 0.1 * _randn(k, dtype=torch.bfloat16, seed=42) + (0 if zero_centered else 1)
-    route = triton_gemv.RouterTopK(top_k, True, shared, torch.zeros(1, dtype=torch.int32, device="cuda"))
+    route = triton_norm_gemv.RouterTopK(top_k, True, shared, torch.zeros(1, dtype=torch.int32, device="cuda"))
     x, r = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda"), torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
-    triton_gemv.norm_gemv_routed(x, r, g, 1e-6, w, route, zero_centered=zero_centered)  # compile outside the capture
+    triton_norm_gemv.norm_gemv_routed(x, r, g, 1e-6, w, route, zero_centered=zero_centered)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        weights, ids, normed, h = triton_gemv.norm_gemv_routed(x, r, g, 1e-6, w, route, zero_centered=zero_centered)
+        weights, ids, normed, h = triton_norm_gemv.norm_gemv_routed(x, r, g, 1e-6, w, route, zero_centered=zero_centered)
     for seed in (43, 44, 45):
         x.copy_(_randn(1, k, dtype=torch.bfloat16, seed=seed))
         r.copy_(_randn(1, k, dtype=torch.bfloat16, seed=seed + 100))
         graph.replay()
-        logits, want_normed, want_h = triton_gemv.norm_gemv_normed(x, r, g, 1e-6, w, zero_centered=zero_centered)
+        logits, want_normed, want_h = triton_norm_gemv.norm_gemv_normed(x, r, g, 1e-6, w, zero_centered=zero_centered)
         want_w, want_ids = moe_router.topk_softmax(logits, top_k, True, shared)
         torch.testing.assert_close(ids, want_ids, atol=0, rtol=0)
         torch.testing.assert_close(weights, want_w, atol=0, rtol=0)
