@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .causal_conv1d_ref import causal_conv1d_varlen_ref, conv1d_update_ref  # noqa: F401  (the references)
-from .gdn import _and, _last_dim_contiguous
+from .jit_util import _and, _last_dim_contiguous
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
 
@@ -216,3 +216,37 @@ def causal_conv1d_varlen(
         K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BC=_CONV_BC, HAS_INITIAL_ZERO=has_iz, num_warps=1,
     )
     return y
+
+
+# ------------------------------------------------------ the decode conv inside the GDN recurrence
+
+
+@triton.jit
+def _conv_decode(x_ptr, conv_w, conv_b, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    # causal_conv1d._conv_update_kernel at one row (R = 1) for the channels `ch` of one slot (p_cs: their
+    # state column 0): taps = old state columns 0..K-2 then the new input, summed in that order in fp32,
+    # + bias, SiLU, rounded to x's dtype as conv1d_update stores it. Also returns the slot's next state
+    # [old columns 1..K-2 | x] in the pool's dtype, for the caller to store once every reader has read.
+    xv = tl.load(x_ptr, mask=mask, other=0.0)
+    acc = tl.zeros(xv.shape, dtype=tl.float32)
+    for j in tl.static_range(K):
+        if j < K - 1:
+            tap = tl.load(p_cs + j * s_c2, mask=mask, other=0.0).to(tl.float32)
+        else:
+            tap = xv.to(tl.float32)
+        acc += tap * tl.load(conv_w + ch * s_cw0 + j, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(conv_b + ch, mask=mask, other=0.0).to(tl.float32)
+    acc = acc / (1.0 + tl.exp(-acc))
+    offs_i = tl.arange(0, KP)
+    shifted = tl.load(p_cs[:, None] + (offs_i + 1)[None, :] * s_c2,
+                      mask=mask[:, None] & (offs_i + 1 < K - 1)[None, :], other=0.0)
+    new = tl.where((offs_i == K - 2)[None, :], xv[:, None].to(p_cs.dtype.element_ty), shifted)
+    return acc.to(xv.dtype).to(tl.float32), new
+
+
+@triton.jit
+def _store_conv_state(p_cs, new, mask, ok, s_c2, K: tl.constexpr, KP: tl.constexpr):
+    offs_i = tl.arange(0, KP)
+    tl.store(p_cs[:, None] + offs_i[None, :] * s_c2, new, mask=_and(mask[:, None] & (offs_i < K - 1)[None, :], ok))

@@ -43,10 +43,13 @@ import torch
 import triton
 import triton.language as tl
 
+from .causal_conv1d import _conv_decode, _store_conv_state
 from .gdn_ref import (  # noqa: F401  (the references, beside their kernels)
     chunk_gated_delta_rule_ref, gated_rmsnorm_ref, gdn_decode_with_conv_ref, gdn_gating_ref, gdn_recurrent_update_ref,
     gdn_varlen_ref, l2norm, recurrent_gated_delta_rule_ref,
 )
+from .gated_rmsnorm import _gated_norm, gated_rmsnorm
+from .jit_util import _and, _last_dim_contiguous
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
 
@@ -93,18 +96,7 @@ def _gdn_config(requests: int, num_v_heads: int, dv: int, varlen: bool) -> tuple
     return min(triton.next_power_of_2(dv), bv), warps, stages
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    # slices of a fused projection keep unit stride along the head dim; anything else is copied
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 # ------------------------------------------------------------------------------ gated delta rule
-
-
-@triton.jit
-def _and(mask, cond):
-    # mask & cond for a scalar cond: the interpreter turns `block & scalar bool` into ints
-    return tl.where(cond, mask, False)
 
 
 @triton.jit
@@ -156,49 +148,6 @@ def _gates(g_ptr, beta_ptr, A_log, dt_bias, i_h, BETA_DT: tl.constexpr, RAW_GATE
         b_g = tl.load(g_ptr).to(tl.float32)
         b_beta = tl.load(beta_ptr).to(tl.float32)
     return b_g, b_beta
-
-
-@triton.jit
-def _gated_norm(x, z_ptr, w_ptr, offs, mask, eps, D: tl.constexpr, DT: tl.constexpr):
-    # transformers' Qwen3NextRMSNormGated on one head, x fp32 holding values of the model dtype DT:
-    # normed in fp32 and rounded, times w in DT, times silu(z) in fp32, rounded once more (the caller)
-    x = tl.where(mask, x, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (w * (x * rstd).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return h * (z / (1.0 + tl.exp(-z)))
-
-
-@triton.jit
-def _conv_decode(x_ptr, conv_w, conv_b, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    # causal_conv1d._conv_update_kernel at one row (R = 1) for the channels `ch` of one slot (p_cs: their
-    # state column 0): taps = old state columns 0..K-2 then the new input, summed in that order in fp32,
-    # + bias, SiLU, rounded to x's dtype as conv1d_update stores it. Also returns the slot's next state
-    # [old columns 1..K-2 | x] in the pool's dtype, for the caller to store once every reader has read.
-    xv = tl.load(x_ptr, mask=mask, other=0.0)
-    acc = tl.zeros(xv.shape, dtype=tl.float32)
-    for j in tl.static_range(K):
-        if j < K - 1:
-            tap = tl.load(p_cs + j * s_c2, mask=mask, other=0.0).to(tl.float32)
-        else:
-            tap = xv.to(tl.float32)
-        acc += tap * tl.load(conv_w + ch * s_cw0 + j, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(conv_b + ch, mask=mask, other=0.0).to(tl.float32)
-    acc = acc / (1.0 + tl.exp(-acc))
-    offs_i = tl.arange(0, KP)
-    shifted = tl.load(p_cs[:, None] + (offs_i + 1)[None, :] * s_c2,
-                      mask=mask[:, None] & (offs_i + 1 < K - 1)[None, :], other=0.0)
-    new = tl.where((offs_i == K - 2)[None, :], xv[:, None].to(p_cs.dtype.element_ty), shifted)
-    return acc.to(xv.dtype).to(tl.float32), new
-
-
-@triton.jit
-def _store_conv_state(p_cs, new, mask, ok, s_c2, K: tl.constexpr, KP: tl.constexpr):
-    offs_i = tl.arange(0, KP)
-    tl.store(p_cs[:, None] + offs_i[None, :] * s_c2, new, mask=_and(mask[:, None] & (offs_i < K - 1)[None, :], ok))
 
 
 @triton.jit
@@ -296,52 +245,6 @@ def _gdn_rows_kernel(
                 tl.store(p_s, S.to(state.dtype.element_ty), mask=_and(mask_s, t - bos + 1 == n))
     if VARLEN:
         tl.store(p_s, S.to(state.dtype.element_ty), mask=mask_s)
-
-
-@triton.jit
-def _gated_rmsnorm_kernel(
-    X, Z, W, Out, num_heads, s_xt, s_xh, s_zt, s_zh, eps,
-    D: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # Program (row t, block of BH heads): Out[t, h] = gated_norm(X[t, h], Z[t, h]), Out contiguous
-    if USE_PDL:
-        pdl_wait_then_release()
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BH + tl.arange(0, BH)
-    offs = tl.arange(0, BD)
-    mask = (heads < num_heads)[:, None] & (offs < D)[None, :]
-    x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    x = tl.where(mask, x, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    DT = Out.dtype.element_ty
-    w = tl.load(W + offs, mask=offs < D, other=0.0).to(tl.float32)
-    h = (w[None, :] * (x * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
-    zz = tl.load(Z + t * s_zt + heads[:, None] * s_zh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + (t * num_heads + heads[:, None]) * D + offs[None, :], (h * (zz / (1.0 + tl.exp(-zz)))).to(DT),
-             mask=mask)
-
-
-def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head `w * rmsnorm(x) * silu(z)` (see `gated_rmsnorm_ref`) in one launch: x, z [T, H, D]
-    (strided views with a unit last stride are fine; [N, D] is taken as [N, 1, D]), weight [D].
-    Returns a contiguous tensor of x's shape."""
-    if x.dim() == 2:
-        return gated_rmsnorm(x[:, None], z[:, None], weight, eps).view(x.shape)
-    T, H, D = x.shape
-    assert z.shape == x.shape and weight.shape == (D,), \
-        f"x {tuple(x.shape)}, z {tuple(z.shape)}, w {tuple(weight.shape)}"
-    assert weight.dtype == x.dtype, "the norm rounds w * rmsnorm(x) to x's dtype: w must have it too"
-    x, z = _last_dim_contiguous(x), _last_dim_contiguous(z)
-    out = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    bd = triton.next_power_of_2(D)
-    bh = max(1, min(triton.next_power_of_2(H), 2048 // bd))  # ~2k elements per program
-    _gated_rmsnorm_kernel[(T, triton.cdiv(H, bh))](
-        x, z, weight, out, H, x.stride(0), x.stride(1), z.stride(0), z.stride(1), float(eps),
-        D=D, BD=bd, BH=bh, num_warps=max(1, min(bh * bd // 256, 8)), **pdl_launch(x),
-    )
-    return out
 
 
 def _launch_gdn(q, k, v, g, beta, state_pool, slot_ids, num_rows, cu_seqlens, initial_zero, rows_per_req,
