@@ -76,11 +76,17 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * N + offs, rms_scaled(xf, rstd, w, X.dtype.element_ty, ZERO_CENTERED).to(Out.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def rms_scaled(xf, rstd, w, DT: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    """The RMSNorm's output before its store, with the rounding points of the reference (xf: x in fp32
+    holding values of the model dtype DT; w fp32): shared by every kernel that writes a normed row."""
     if ZERO_CENTERED:  # Qwen3NextRMSNorm: (x * rstd * (1 + w)) in fp32, rounded once
-        y = (xf * rstd) * (1.0 + w)
-    else:  # LlamaRMSNorm: round, then * weight
-        y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32) * w
-    tl.store(Out + row * N + offs, y.to(Out.dtype.element_ty), mask=mask)
+        return (xf * rstd) * (1.0 + w)
+    return (xf * rstd).to(DT).to(tl.float32) * w  # LlamaRMSNorm: round, then * weight
 
 
 def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:

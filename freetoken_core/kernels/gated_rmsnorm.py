@@ -41,13 +41,21 @@ def _gated_rmsnorm_kernel(
     mask = (heads < num_heads)[:, None] & (offs < D)[None, :]
     x = tl.load(X + t * s_xt + heads[:, None] * s_xh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
     x = tl.where(mask, x, 0.0)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
     DT = Out.dtype.element_ty
     w = tl.load(W + offs, mask=offs < D, other=0.0).to(tl.float32)
-    h = (w[None, :] * (x * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     zz = tl.load(Z + t * s_zt + heads[:, None] * s_zh + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + (t * num_heads + heads[:, None]) * D + offs[None, :], (h * (zz / (1.0 + tl.exp(-zz)))).to(DT),
+    tl.store(Out + (t * num_heads + heads[:, None]) * D + offs[None, :], gated_norm_heads(x, w, zz, eps, D, DT).to(DT),
              mask=mask)
+
+
+@triton.jit
+def gated_norm_heads(x, w, z, eps, D: tl.constexpr, DT: tl.constexpr):
+    """[heads, D] rows of one token (x, z fp32 holding values of the model dtype DT; padding lanes 0; w [D]
+    fp32) -> w * rmsnorm(x) * silu(z) per head in fp32, with the reference's rounding before the last
+    (the caller rounds to DT): `_gated_rmsnorm_kernel`, and gdn_out_gemv.py's K tiles."""
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
+    h = (w[None, :] * (x * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    return h * (z / (1.0 + tl.exp(-z)))
 
 
 def gated_rmsnorm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

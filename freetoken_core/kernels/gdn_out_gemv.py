@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gated_rmsnorm import gated_norm_heads
 from .gdn_ref import gdn_out_norm_gemv_ref  # noqa: F401  (the reference, beside its kernel)
 from .gemv import _w_tile, gemv_config
 from .pdl import pdl_launch
@@ -38,18 +39,16 @@ def gdn_out_gemv_config(n: int, num_heads: int, dv: int) -> dict[str, int]:
 
 @triton.jit
 def _normed_tile(o_ptr, z_ptr, nw, h0, H, s_zh, eps, DV: tl.constexpr, HEADS: tl.constexpr):
-    # heads h0 .. h0+HEADS-1 of the row (heads past H read as 0), gated-normed as kernels/gdn.py
-    # `_gated_rmsnorm_kernel` does, rounded to the model dtype (the unfused path stores the norm), and
+    # heads h0 .. h0+HEADS-1 of the row (heads past H read as 0), gated-normed as kernels/gated_rmsnorm.py
+    # `gated_norm_heads` does, rounded to the model dtype (the unfused path stores the norm), and
     # flattened to the GEMV's K tile (row-major: element k of the tile is o[h0 + k // DV, k % DV])
     DT = o_ptr.dtype.element_ty
     heads = h0 + tl.arange(0, HEADS)
     offs_d = tl.arange(0, DV)
     mask = (heads < H)[:, None]
     x = tl.load(o_ptr + heads[:, None] * DV + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / DV + eps)
-    h = (nw[None, :] * (x * rstd[:, None]).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     zz = tl.load(z_ptr + heads[:, None] * s_zh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    out = (h * (zz / (1.0 + tl.exp(-zz)))).to(DT).to(tl.float32)
+    out = gated_norm_heads(x, nw, zz, eps, DV, DT).to(DT).to(tl.float32)
     return tl.reshape(out, (HEADS * DV,))
 
 

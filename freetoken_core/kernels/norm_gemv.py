@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fused_ops import rms_scaled
 from .gemv import _ROUTER_TILE, _w_tile
 from .gemv_ref import norm_gemv_reference  # noqa: F401  (the reference, beside its kernel)
 from .moe_router import rank_when_last
@@ -118,10 +119,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, ro
                     x = (x.to(tl.float32) + tl.load(r_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                          ).to(x_ptr.dtype.element_ty)
                 g = tl.load(g_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                if ZERO_CENTERED:  # (x * rstd * (1 + w)) in fp32, rounded once
-                    normed = (x.to(tl.float32) * rstd) * (1.0 + g)
-                else:  # x * rstd rounded, then * w
-                    normed = (x.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * g
+                normed = rms_scaled(x.to(tl.float32), rstd, g, x_ptr.dtype.element_ty, ZERO_CENTERED)
                 tl.store(n_ptr + offs_k, normed.to(n_ptr.dtype.element_ty), mask=k_ok)
     y = tl.sum(acc, axis=1) * rstd
     if HAS_BIAS:

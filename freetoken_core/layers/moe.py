@@ -141,6 +141,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = Linear(hidden_size, num_experts, bias=False, dtype=dtype)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_device)
+        # FREETOKEN_ROUTER_TOPK_FUSED: the router launch's int32 arrival counter (_router_topk)
+        self._route_counter: torch.Tensor | None = None
 
     # the router's last row is a stacked shared expert's gate: k + 1 routes (models/qwen3_next.py)
     routes_shared_expert = False
@@ -173,7 +175,7 @@ class SparseMoeBlock(nn.Module):
         first use; zero between launches, so a CUDA graph may capture its first fill)."""
         from ..kernels.norm_gemv import RouterTopK
 
-        counter = getattr(self, "_route_counter", None)
+        counter = self._route_counter
         if counter is None or counter.device != device:
             counter = self._route_counter = torch.zeros(1, dtype=torch.int32, device=device)
         return RouterTopK(self.top_k, self.renormalize, self.routes_shared_expert, counter)

@@ -68,3 +68,24 @@ def make_case(
         k_cache.to(dev), v_cache.to(dev), table.to(dev), rows, list(prefix_lens), list(extend_lens),
         q.to(dev), k_new.to(dev), v_new.to(dev), torch.tensor(loc, dtype=torch.int64, device=dev),
     )
+
+
+def manager_batch(mgr, phase: str, reqs: list, extend_lens: list[int], rows_per_req: int, device):
+    """A Batch of `reqs` extending by `extend_lens` rows: pages allocated by the CacheManager `mgr`,
+    out_loc its slots of the new rows, positions after each request's cached prefix (the backend tests'
+    rigs: test_triton_backend.Pair, test_fused_kv_store.Rig)."""
+    from freetoken_core.core import Batch
+
+    prefix = [r.cached_len for r in reqs]
+    for r, p, e in zip(reqs, prefix, extend_lens):
+        mgr.allocate(r, p + e)
+    mgr.flush()
+    out_loc = [s for r, p, e in zip(reqs, prefix, extend_lens) for s in mgr.slots(r, p, p + e)]
+    t = sum(extend_lens)
+    return Batch(
+        phase=phase, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix,
+        input_ids=torch.zeros(t, dtype=torch.int64, device=device),
+        positions=torch.tensor([p + i for p, e in zip(prefix, extend_lens) for i in range(e)], device=device),
+        out_loc=torch.tensor(out_loc, dtype=torch.int64, device=device),
+        sample_rows=torch.zeros(0, dtype=torch.int64, device=device), sample_reqs=[], rows_per_req=rows_per_req,
+    )

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from attn_cases import manager_batch
 
 from freetoken_core import env
 from freetoken_core.attention.base import AttnLayout, KVStoreTarget
@@ -61,19 +62,7 @@ class Rig:
         return r
 
     def batch(self, phase: str, reqs: list[Req], extend_lens: list[int], rows_per_req: int = 1) -> Batch:
-        prefix = [r.cached_len for r in reqs]
-        for r, p, e in zip(reqs, prefix, extend_lens):
-            self.mgr.allocate(r, p + e)
-        self.mgr.flush()
-        loc = [s for r, p, e in zip(reqs, prefix, extend_lens) for s in self.mgr.slots(r, p, p + e)]
-        t = sum(extend_lens)
-        return Batch(
-            phase=phase, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix,
-            input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
-            positions=torch.tensor([p + i for p, e in zip(prefix, extend_lens) for i in range(e)], device=DEVICE),
-            out_loc=torch.tensor(loc, dtype=torch.int64, device=DEVICE),
-            sample_rows=torch.zeros(0, dtype=torch.int64, device=DEVICE), sample_reqs=[], rows_per_req=rows_per_req,
-        )
+        return manager_batch(self.mgr, phase, reqs, extend_lens, rows_per_req, DEVICE)
 
     def qkv(self, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as the model has them: views of one fused projection row."""
@@ -117,6 +106,17 @@ class Rig:
             for a, b in zip(self.fused.kv_cache.layer(layer), self.unfused.kv_cache.layer(layer)):
                 torch.testing.assert_close(a, b, atol=0, rtol=0)
 
+    def decode_then_verify(self, prompt_lens: list[int], verify_rows: int, decode_steps: int = 2) -> None:
+        """Prefill the prompts, run decode steps, then one verify step of `verify_rows` rows per request,
+        each step checked by `step` (the fused store against store_kv)."""
+        reqs = [self.req(i, n) for i, n in enumerate(prompt_lens)]
+        self.prefill(reqs)
+        ones = [1] * len(reqs)
+        for _ in range(decode_steps):
+            self.step(self.batch("decode", reqs, ones))
+            self.commit(reqs, ones)
+        self.step(self.batch("verify", reqs, [verify_rows] * len(reqs), rows_per_req=verify_rows))
+
     @staticmethod
     def commit(reqs: list[Req], extend_lens: list[int]) -> None:
         for r, e in zip(reqs, extend_lens):
@@ -126,13 +126,7 @@ class Rig:
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_and_verify_with_the_fused_store_match_store_kv(page_size, dtype):
-    rig = Rig(4, 2, 16, page_size, dtype, rot_dim=8, num_layers=1)
-    reqs = [rig.req(i, n) for i, n in enumerate([7, 3])]
-    rig.prefill(reqs)
-    for _ in range(2):
-        rig.step(rig.batch("decode", reqs, [1, 1]))
-        rig.commit(reqs, [1, 1])
-    rig.step(rig.batch("verify", reqs, [2, 2], rows_per_req=2))
+    Rig(4, 2, 16, page_size, dtype, rot_dim=8, num_layers=1).decode_then_verify([7, 3], verify_rows=2)
 
 
 def test_forward_skips_store_kv_only_when_told(monkeypatch):
@@ -243,13 +237,7 @@ def test_attend_stores_through_the_rotary_kernel(monkeypatch, gated):
     (16, 2, 256, 64),  # Qwen3.6 gated attention (partial rotary 0.25)
 ])
 def test_gpu_bf16_decode_with_the_fused_store(heads, kv_heads, head_dim, rot_dim, page_size):
-    rig = Rig(heads, kv_heads, head_dim, page_size, torch.bfloat16, rot_dim=rot_dim)
-    reqs = [rig.req(i, n) for i, n in enumerate([40, 9])]
-    rig.prefill(reqs)
-    for _ in range(2):
-        rig.step(rig.batch("decode", reqs, [1, 1]))
-        rig.commit(reqs, [1, 1])
-    rig.step(rig.batch("verify", reqs, [4, 4], rows_per_req=4))
+    Rig(heads, kv_heads, head_dim, page_size, torch.bfloat16, rot_dim=rot_dim).decode_then_verify([40, 9], verify_rows=4)
 
 
 @needs_cuda

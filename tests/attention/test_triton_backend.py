@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attn_cases import manager_batch
 
 from freetoken_core.attention.base import AttnLayout
 from freetoken_core.attention.torch_native import TorchNativeBackend
@@ -34,19 +35,7 @@ class Pair:
         self.gen = torch.Generator().manual_seed(0)
 
     def batch(self, phase, reqs, extend_lens, rows_per_req=1) -> Batch:
-        prefix = [r.cached_len for r in reqs]
-        for r, p, e in zip(reqs, prefix, extend_lens):
-            self.mgr.allocate(r, p + e)
-        self.mgr.flush()
-        out_loc = [s for r, p, e in zip(reqs, prefix, extend_lens) for s in self.mgr.slots(r, p, p + e)]
-        t = sum(extend_lens)
-        return Batch(
-            phase=phase, reqs=reqs, extend_lens=extend_lens, prefix_lens=prefix,
-            input_ids=torch.zeros(t, dtype=torch.int64, device=DEVICE),
-            positions=torch.tensor([p + i for p, e in zip(prefix, extend_lens) for i in range(e)], device=DEVICE),
-            out_loc=torch.tensor(out_loc, dtype=torch.int64, device=DEVICE),
-            sample_rows=torch.zeros(0, dtype=torch.int64, device=DEVICE), sample_reqs=[], rows_per_req=rows_per_req,
-        )
+        return manager_batch(self.mgr, phase, reqs, extend_lens, rows_per_req, DEVICE)
 
     def qkv(self, t: int):
         return [torch.randn(t, n, D, generator=self.gen).to(self.dtype).to(DEVICE) for n in (H, HKV, HKV)]
