@@ -78,6 +78,8 @@ def test_ensemble_streams_the_offline_text(family_model):
             except KeyError:  # not pushed yet (the gauges go out on the metrics timer)
                 return 0.0, 0.0
 
-        wait_for(lambda: (gauges()[1] or 0) > 0, timeout=10)
+        # the gauges are a snapshot the engine pushes on its stats timer: one taken after the prefill alone
+        # has misses and no hits yet, so wait for a push that has seen decode steps too
+        wait_for(lambda: gauges()[0] > 0 and gauges()[1] > 0, timeout=10)
         hit, misses = gauges()
         assert 0.0 < hit < 1.0 and misses > 0
