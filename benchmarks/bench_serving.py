@@ -62,6 +62,24 @@ def shape_model_dir(shape: str, tokenizer_dir: str) -> str:
     return str(dest)
 
 
+def engine_fields(pairs: list[str]) -> dict:
+    """FIELD=VALUE strings -> EngineConfig keyword arguments, typed as the field's default is."""
+    import dataclasses
+
+    from freetoken_core.config import EngineConfig
+
+    known = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in known:
+            raise SystemExit(f"--engine wants FIELD=VALUE with an EngineConfig field, got {pair!r}")
+        default = known[name].default
+        out[name] = (value.lower() in ("1", "true") if isinstance(default, bool)
+                     else type(default)(value) if isinstance(default, (int, float)) else value)
+    return out
+
+
 def make_prompts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     prompts = []
@@ -180,6 +198,8 @@ def main() -> int:
     p.add_argument("--no-stream", action="store_true", help="one response per request (isolates per-response cost)")
     p.add_argument("--only", choices=["offline", "triton"], default=None, help="run one path (for profiling)")
     p.add_argument("--rounds", type=int, default=3, help="in-process: timed runs per concurrency (median)")
+    p.add_argument("--engine", nargs="*", default=[], metavar="FIELD=VALUE",
+                   help="EngineConfig fields for both paths, e.g. prefill_graph_max_tokens=512")
     args = p.parse_args()
 
     from freetoken_core.models.gguf import default_model_path
@@ -196,6 +216,7 @@ def main() -> int:
         engine_kw["num_pages"] = args.num_pages
     if args.load_format:
         engine_kw["load_format"] = args.load_format
+    engine_kw.update(engine_fields(args.engine))
     rows = []
     for c in args.concurrency:
         offline = served = float("nan")

@@ -93,6 +93,10 @@ class EngineConfig:
     decode_rows_per_req: int = 1  # query rows one request may run per decode step (speculation: k+1)
     cuda_graph: bool = True  # capture decode with CUDA graphs (CUDA only)
     cuda_graph_max_bs: int | None = None
+    # > 0: also capture prefill steps of up to this many rows (and prefill_graph_max_reqs requests) in CUDA
+    # graphs (engine/prefill_graph.py): a short prompt's eager prefill is launch-bound; 0 = eager prefill
+    prefill_graph_max_tokens: int = 0
+    prefill_graph_max_reqs: int = 4
     overlap_schedule: bool | None = None  # None: on for CUDA; True forces it (CPU too: tests the logic)
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights from config.json (benchmarks)
@@ -133,6 +137,9 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {self.max_extend_tokens}")
+        if self.prefill_graph_max_tokens < 0 or self.prefill_graph_max_reqs < 1:
+            raise ValueError(f"need prefill_graph_max_tokens >= 0 and prefill_graph_max_reqs >= 1, got "
+                             f"{self.prefill_graph_max_tokens}, {self.prefill_graph_max_reqs}")
         if self.decode_rows_per_req < 1:
             raise ValueError(f"decode_rows_per_req must be >= 1, got {self.decode_rows_per_req}")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):

@@ -21,6 +21,7 @@ class BackendInfo:
     supports_cuda_graph: bool = False
     uniform_extend_graph: bool = False  # can capture decode/verify graphs with rows_per_req > 1
     lengths_on_device: bool = False  # implements set_lengths_on_device (pipelined speculation)
+    prefill_graph: bool = False  # implements init_prefill_graph / prepare_prefill_graph (engine/prefill_graph.py)
 
 
 @dataclass
@@ -79,6 +80,17 @@ class AttnBackend(ABC):
         raise NotImplementedError
 
     def prepare_for_replay(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def init_prefill_graph(self, max_reqs: int) -> None:
+        """Static metadata for captured prefill steps of up to max_reqs requests (engine/prefill_graph.py);
+        backends that can say so in `BackendInfo.prefill_graph`."""
+        raise NotImplementedError(f"attention backend {self.info.name!r} cannot capture prefill steps")
+
+    def prepare_prefill_graph(self, batch: Batch, num_rows: int) -> None:
+        """Point `batch.attn_metadata` at the static prefill metadata, filled from the batch: its requests,
+        then one padding request that owns rows [batch rows, num_rows) on the dummy page-table row (prefix
+        0), then request slots without rows. Capture and every replay call it."""
         raise NotImplementedError
 
     def set_lengths_on_device(self, batch: Batch, seq_lens: torch.Tensor, table_rows: torch.Tensor) -> None:

@@ -18,6 +18,7 @@ from ..kvcache.pool import KVCache, KVCacheShape
 from ..layers.linear import use_gemv_for_all_sizes
 from ..kernels.pdl import device_uses_pdl
 from .graph import GraphRunner, default_bs_list
+from .prefill_graph import PrefillGraphRunner, prefill_graph_buckets
 from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class Engine:
         self.vocab_size = int(self.model.config.vocab_size)
         self.graph_runner: GraphRunner | None = None
         self.verify_graph_runner: GraphRunner | None = None
+        self.prefill_graph_runner: PrefillGraphRunner | None = None
         if self.device.type == "cuda" and config.cuda_graph:
             if self.attn_backend.info.supports_cuda_graph:
                 from ..moe.device_cache import preserved_counters
@@ -292,6 +294,39 @@ class Engine:
                 batch_hook=self._graph_linear_state, replay_hook=self._graph_linear_state,
             )
             self.verify_graph_runner.capture()
+        runner = self.build_prefill_graphs()
+        if runner is not None:
+            runner.capture()
+
+    def build_prefill_graphs(self) -> PrefillGraphRunner | None:
+        """The small-prefill graph runner (engine/prefill_graph.py) when `prefill_graph_max_tokens` asks
+        for one and this engine can run it, else None (prefill stays eager; the log says why).
+        Not captured here: `_capture_graphs` captures it; on CPU, tests run its static steps eagerly."""
+        cfg = self.config
+        max_tokens = min(cfg.prefill_graph_max_tokens, cfg.max_extend_tokens, self.max_seq_len)
+        if max_tokens < 1:
+            return None
+        why = None
+        if not self.attn_backend.info.prefill_graph:
+            why = f"attention backend {self.attn_backend.info.name} cannot capture prefill steps"
+        elif self.linear_pool is not None:
+            why = "the model's linear-state (GDN) layers prefill eagerly"
+        elif self.moe_strategy not in ("resident", "none"):
+            why = f"moe_strategy {self.moe_strategy} places the experts a prefill step needs on the host"
+        elif self.tp is not None:
+            why = "tensor-parallel steps run eagerly"
+        if why is not None:
+            log.warning("prefill_graph_max_tokens %d: %s; prefilling eagerly", cfg.prefill_graph_max_tokens, why)
+            return None
+        pool = self.graph_runner.pool if self.graph_runner is not None else None
+        self.prefill_graph_runner = PrefillGraphRunner(
+            self.ctx, self._logits_of_sample_rows, prefill_graph_buckets(max_tokens),
+            min(cfg.prefill_graph_max_reqs, cfg.max_running_req), self.cache.dummy_row, self.device, pool=pool,
+        )
+        return self.prefill_graph_runner
+
+    def _logits_of_sample_rows(self, batch: Batch) -> torch.Tensor:
+        return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions)[batch.sample_rows])
 
     def _logits_of_all_rows(self, batch: Batch) -> torch.Tensor:
         return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions))
@@ -390,6 +425,10 @@ class Engine:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             self.cache.flush()
             logits = self.graph_runner.replay(batch)
+        elif self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run(batch):
+            self.cache.flush()
+            runner = self.prefill_graph_runner
+            logits = runner.replay(batch) if runner.graphs else runner.run_static(batch)
         else:
             hidden = self.forward_batch(batch)
             logits = self.forward_logits(batch, hidden)

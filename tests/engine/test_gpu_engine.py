@@ -77,3 +77,51 @@ def test_no_memory_growth_over_1000_steps(llama_dir):
     assert steps >= 1000
     assert torch.cuda.memory_allocated() - before < 1 << 20
     assert sched.cache.num_free_pages == sched.cache.num_total_pages
+
+
+def _count_replays(runner):
+    calls = []
+    replay = runner.replay
+    runner.replay = lambda batch: calls.append((batch.size, batch.num_tokens)) or replay(batch)
+    return calls
+
+
+def test_prefill_graphs_agree_with_transformers_fp32(llama_dir):
+    """Captured prefill steps (engine/prefill_graph.py): prompts of 2-100 tokens run in buckets with padding,
+    the 280-token one in chunks past the largest bucket (eager), in one run with overlap and decode graphs."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    expected = hf_greedy(llama_dir, PROMPTS, 24)
+    llm = LLM(llama_dir, dtype="float32", device="cuda", attention_backend="triton", page_size=16, max_running_req=8,
+              max_seq_len=1024, memory_fraction=0.2, max_extend_tokens=256, prefill_graph_max_tokens=128,
+              prefill_graph_max_reqs=2)
+    runner = llm.scheduler.engine.prefill_graph_runner
+    assert runner is not None and sorted(runner.graphs) == [16, 32, 64, 96, 128]
+    calls = _count_replays(runner)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+    assert calls and any(t < runner.bucket(t) for _, t in calls)
+    one = [o.token_ids for o in llm.generate(PROMPTS[1:2], params)]  # a lone arrival, as served load has them
+    assert one == expected[1:2]
+
+
+def test_prefill_graph_logits_equal_eager_bf16(llama_dir):
+    from freetoken_core.core import Req
+
+    llm = LLM(llama_dir, dtype="bfloat16", device="cuda", page_size=16, max_running_req=4, max_seq_len=1024,
+              memory_fraction=0.2, prefill_graph_max_tokens=256)
+    engine = llm.scheduler.engine
+    runner = engine.prefill_graph_runner
+    reqs = []
+    for i, p in enumerate([list(range(3, 90)), [5, 6, 7], list(range(400, 440))]):
+        r = Req(uid=i, input_ids=p, sampling=SamplingParams())
+        engine.cache.assign_row(r)
+        engine.cache.allocate(r, len(p))
+        reqs.append(r)
+    batch = engine.prepare_batch("prefill", reqs, [len(r.input_ids) for r in reqs])
+    eager = engine.forward_logits(batch, engine.forward_batch(batch))
+    batch = engine.prepare_batch("prefill", reqs, [len(r.input_ids) for r in reqs])
+    engine.cache.flush()
+    got = runner.replay(batch)
+    torch.cuda.synchronize()
+    assert got.shape == eager.shape
+    torch.testing.assert_close(got, eager, rtol=0.05, atol=0.05 * float(eager.abs().max()))
+    assert (got.argmax(-1) == eager.argmax(-1)).all()

@@ -5,6 +5,9 @@ then launches store_kv and one attention kernel (decode/verify: the store can be
 rotary kernel's instead, `kv_store_target`). Decode and verify batches (R rows per request,
 R = 1 for decode) use the decode kernel; prefill batches use the extend kernel.
 
+Prefill graphs (engine/prefill_graph.py): `init_prefill_graph` / `prepare_prefill_graph` keep static copies
+of the extend kernel's five per-request vectors, plus a padding request for the rows past the real ones.
+
 CUDA graphs (engine/graph.py): `init_capture_graph` allocates static metadata and split scratch
 for the largest batch; `prepare_for_capture` gives a capture batch metadata that views them; and
 `prepare_for_replay` copies a real batch's lengths and table rows into them (padding rows point
@@ -69,6 +72,7 @@ class TritonBackend(AttnBackend):
         supports_cuda_graph=True,
         uniform_extend_graph=True,
         lengths_on_device=True,
+        prefill_graph=True,
     )
 
     def __init__(self, layout: AttnLayout, kv_cache: KVCache, page_table: torch.Tensor) -> None:
@@ -89,6 +93,7 @@ class TritonBackend(AttnBackend):
             self.num_sms = 4  # keeps interpreter runs small while still exercising the split path
         self.dummy_row = page_table.shape[0] - 1
         self._graphs: dict[int, _GraphBuffers] = {}
+        self._prefill_ints: torch.Tensor | None = None  # [5, slots] int32: the captured prefill steps' metadata
 
     # --- metadata ---------------------------------------------------------------------------
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
@@ -215,6 +220,43 @@ class TritonBackend(AttnBackend):
         gb.metadata[bs] = md
         self._fill_static(gb, batch, rows, bs)
         batch.attn_metadata = md
+
+    # --- prefill graphs (engine/prefill_graph.py) ----------------------------------------------
+    def init_prefill_graph(self, max_reqs: int) -> None:
+        """The extend kernel reads every length from the device, so a captured prefill step needs only
+        static copies of its five per-request vectors: max_reqs requests + the padding request."""
+        if self._prefill_ints is not None:
+            if self._prefill_ints.shape[1] != max_reqs + 1:  # graphs captured earlier read this buffer
+                raise RuntimeError(f"prefill graphs were set up for {self._prefill_ints.shape[1] - 1} requests")
+            return
+        self._prefill_ints = torch.zeros(5, max_reqs + 1, dtype=torch.int32, device=self.device)
+
+    def prepare_prefill_graph(self, batch: Batch, num_rows: int) -> None:
+        ints = self._prefill_ints
+        if ints is None:
+            raise RuntimeError("init_prefill_graph was not called")
+        slots, n = ints.shape[1], batch.size
+        real = sum(batch.extend_lens)
+        if n >= slots or real > num_rows:
+            raise ValueError(f"a captured prefill step holds at most {slots - 1} requests and {num_rows} rows; "
+                             f"this batch has {n} and {real}")
+        starts, acc = [], 0
+        for e in batch.extend_lens:
+            starts.append(acc)
+            acc += e
+        pad, rest = num_rows - real, slots - n - 1
+        # padding request: rows [real, num_rows) at positions 0.. of the dummy row (its pages are the dummy
+        # page, which only padding writes: finite values); slots past it have no rows (their programs exit)
+        seq = batch.seq_lens + [pad] + [0] * rest
+        table_rows = [r.table_row for r in batch.reqs] + [self.dummy_row] * (rest + 1)
+        prefix = batch.prefix_lens + [0] * (rest + 1)
+        ext = batch.extend_lens + [pad] + [0] * rest
+        q_starts = starts + [real] + [0] * rest
+        ints.copy_(pinned([seq, table_rows, prefix, ext, q_starts], torch.int32), non_blocking=True)
+        batch.attn_metadata = TritonAttnMetadata(
+            phase="prefill", rows_per_req=1, seq_lens=ints[0], table_rows=ints[1], prefix_lens=ints[2],
+            extend_lens=ints[3], q_starts=ints[4], max_extend=num_rows,
+        )
 
     def set_lengths_on_device(self, batch: Batch, seq_lens: torch.Tensor, table_rows: torch.Tensor) -> None:
         md: TritonAttnMetadata = batch.attn_metadata
