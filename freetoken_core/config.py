@@ -97,6 +97,9 @@ class EngineConfig:
     # graphs (engine/prefill_graph.py): a short prompt's eager prefill is launch-bound; 0 = eager prefill
     prefill_graph_max_tokens: int = 0
     prefill_graph_max_reqs: int = 4
+    # prefill steps also carry one row of every decoding request (SGLang's --enable-mixed-chunk), so an
+    # arriving prompt does not cost the running requests a step; their rows count in max_extend_tokens
+    mixed_prefill: bool = False
     overlap_schedule: bool | None = None  # None: on for CUDA; True forces it (CPU too: tests the logic)
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights from config.json (benchmarks)

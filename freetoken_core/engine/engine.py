@@ -321,7 +321,9 @@ class Engine:
         pool = self.graph_runner.pool if self.graph_runner is not None else None
         self.prefill_graph_runner = PrefillGraphRunner(
             self.ctx, self._logits_of_sample_rows, prefill_graph_buckets(max_tokens),
-            min(cfg.prefill_graph_max_reqs, cfg.max_running_req), self.cache.dummy_row, self.device, pool=pool,
+            # a mixed step (mixed_prefill) carries a row of every running request besides the new prompts
+            cfg.max_running_req if cfg.mixed_prefill else min(cfg.prefill_graph_max_reqs, cfg.max_running_req),
+            self.cache.dummy_row, self.device, pool=pool,
         )
         return self.prefill_graph_runner
 

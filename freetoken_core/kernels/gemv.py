@@ -21,7 +21,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+try:  # not yet run on the GPU's Triton 3.6 (the gated GEMV came after the last device session): never let a
+    # missing module take every GEMV down with it
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover
+    libdevice = None
 
 from ..env import kernel_env, triton_interpreted
 from .gemv_ref import gemv_reference  # noqa: F401  (the reference, beside its kernel)
@@ -31,7 +35,7 @@ from .pdl_jit import pdl_wait_then_release
 ENABLED = kernel_env().gemv  # FREETOKEN_GEMV=0: cuBLAS everywhere (A/B, debugging)
 # The size rule itself lives with `Linear` (linear.GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
 # The gated GEMV's sigmoid takes CUDA's expf (libdevice) when compiled; the interpreter has no libdevice.
-_LIBDEVICE_EXP = tl.constexpr(not triton_interpreted())
+_LIBDEVICE_EXP = tl.constexpr(not triton_interpreted() and libdevice is not None)
 
 
 @triton.jit

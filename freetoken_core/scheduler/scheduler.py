@@ -2,7 +2,8 @@
 
 Step policy: prefill work (new prompts, unfinished chunks) runs under the `max_extend_tokens`
 budget, but never twice in a row while requests wait to decode, so a stream of new prompts
-cannot starve running decodes (they get at least every other step).
+cannot starve running decodes (they get at least every other step). With `mixed_prefill` the
+decoders run their next row inside the prefill step instead (one row each, out of the budget).
 """
 
 from __future__ import annotations
@@ -203,8 +204,9 @@ class Scheduler:
         prefill_pending = len(decoders) < len(self.running) or (bool(self.waiting) and self._row_free())
         if prefill_pending and not (decoders and self._last_was_prefill):
             self._drain(msgs)
-            ran = self._run_prefill(msgs)
-            self._last_was_prefill = ran
+            ran, mixed = self._run_prefill(msgs)
+            # a mixed step decoded too: the next may prefill again (decoders are not starved)
+            self._last_was_prefill = ran and not mixed
             if ran:
                 return msgs
             decoders = self._decoders()
@@ -229,17 +231,37 @@ class Scheduler:
         # a request whose in-flight token is its last by length needs no further step
         return req.num_output + req.inflight < req.sampling.max_tokens
 
-    def _run_prefill(self, msgs: list[DetokenizeMsg]) -> bool:
+    def _run_prefill(self, msgs: list[DetokenizeMsg]) -> tuple[bool, bool]:
+        """A prefill step; with `mixed_prefill` the decoders ride along (one row each, in front).
+        Returns (whether a step ran, whether it decoded too)."""
+        riders = self._riders()
         prefilling = [r for r in self.running if r.seq_len - r.cached_len > 1]
         plan, admitted = plan_prefill(
-            prefilling, self.waiting, self.running, self.cache, self.config.max_extend_tokens,
+            prefilling, self.waiting, self.running, self.cache, self.config.max_extend_tokens - len(riders),
             self.config.max_running_req, self.config.decode_rows_per_req,
         )
         self.running.extend(admitted)
         if not plan.reqs:
-            return False
-        self._launch(self.engine.prepare_batch("prefill", plan.reqs, plan.extend_lens), msgs)
-        return True
+            return False, False  # the riders decode in the usual step (their pages are allocated)
+        reqs, lens = riders + plan.reqs, [1] * len(riders) + plan.extend_lens
+        self._launch(self.engine.prepare_batch("prefill", reqs, lens), msgs)
+        return True, bool(riders)
+
+    def _riders(self) -> list[Req]:
+        """`mixed_prefill`: the decoders that run their next row inside this prefill step (SGLang's mixed
+        chunk; every vLLM V1 step is one): a prompt's arrival then costs the running requests no step of
+        their own. None when a decoder would need retraction (the decode step does that), with
+        speculation (its verify steps), or when their rows would take the whole prefill budget."""
+        if not self.config.mixed_prefill or self.spec is not None:
+            return []
+        decoders = self._decoders()
+        if not decoders or len(decoders) >= self.config.max_extend_tokens:
+            return []
+        batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
+        if retracted:
+            return []
+        allocate_decode(batch_reqs, self.cache, self._virtual_len)
+        return batch_reqs
 
     def _run_decode(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> None:
         if self.spec is not None:

@@ -86,16 +86,19 @@ def _count_replays(runner):
     return calls
 
 
-def test_prefill_graphs_agree_with_transformers_fp32(llama_dir):
+@pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed_prefill"])
+def test_prefill_graphs_agree_with_transformers_fp32(llama_dir, mixed):
     """Captured prefill steps (engine/prefill_graph.py): prompts of 2-100 tokens run in buckets with padding,
-    the 280-token one in chunks past the largest bucket (eager), in one run with overlap and decode graphs."""
+    the 280-token one in chunks past the largest bucket (eager), in one run with overlap and decode graphs;
+    mixed: with the decoders' rows inside (mixed_prefill), 8 request slots."""
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     expected = hf_greedy(llama_dir, PROMPTS, 24)
     llm = LLM(llama_dir, dtype="float32", device="cuda", attention_backend="triton", page_size=16, max_running_req=8,
               max_seq_len=1024, memory_fraction=0.2, max_extend_tokens=256, prefill_graph_max_tokens=128,
-              prefill_graph_max_reqs=2)
+              prefill_graph_max_reqs=2, mixed_prefill=mixed)
     runner = llm.scheduler.engine.prefill_graph_runner
     assert runner is not None and sorted(runner.graphs) == [16, 32, 64, 96, 128]
+    assert runner.max_reqs == (8 if mixed else 2)
     calls = _count_replays(runner)
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
     assert calls and any(t < runner.bucket(t) for _, t in calls)

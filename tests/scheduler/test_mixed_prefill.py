@@ -1,0 +1,134 @@
+"""`mixed_prefill`: decoders run their next row inside the prefill step. Greedy tokens stay those of
+separate steps (dense, MoE and hybrid models, chunks, page pressure, overlap, prefill graphs), and an
+arriving prompt no longer costs the running requests a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.config import EngineConfig
+from freetoken_core.scheduler.scheduler import Scheduler
+
+PROMPTS = [[5, 17, 42, 99, 3], [7] * 11, list(range(20, 57)), [200, 201], [9, 8, 7, 6, 5, 4, 3]]
+# different lengths: requests finish at different steps, so prompts arrive while others decode
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 14, 7)]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    from tests.conftest import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("mixed"), arch="llama")
+
+
+def _record_batches(llm: LLM) -> list[tuple[str, list[int]]]:
+    """(phase, extend_lens) of every batch the engine builds."""
+    seen = []
+    engine = llm.scheduler.engine
+    prepare = engine.prepare_batch
+
+    def recording(phase, reqs, extend_lens, *a, **kw):
+        seen.append((phase, list(extend_lens)))
+        return prepare(phase, reqs, extend_lens, *a, **kw)
+
+    engine.prepare_batch = recording
+    return seen
+
+
+def _mixed_steps(batches) -> int:
+    return sum(1 for phase, lens in batches if phase == "prefill" and lens and lens[0] == 1 and max(lens) > 1)
+
+
+@pytest.mark.parametrize("page_size,overlap", [(1, False), (4, True)])
+@pytest.mark.parametrize("max_extend", [8, 64])
+def test_mixed_steps_give_the_separate_steps_tokens(model_path, page_size, overlap, max_extend):
+    kw = dict(dtype="float32", page_size=page_size, num_pages=400, max_running_req=3,
+              max_extend_tokens=max_extend, overlap_schedule=overlap)
+    expected = [o.token_ids for o in LLM(model_path, **kw).generate(PROMPTS, PARAMS)]
+    llm = LLM(model_path, mixed_prefill=True, **kw)
+    batches = _record_batches(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    assert _mixed_steps(batches) > 0
+    cache = llm.scheduler.cache
+    assert cache.num_free_pages == cache.num_total_pages
+    cache.check()
+
+
+def test_mixed_steps_under_page_pressure(model_path):
+    """Decoders that would need retraction do not ride along; the decode step retracts them as before."""
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model_path, dtype="float32", page_size=1, num_pages=1000).generate(PROMPTS, params)]
+    tight = LLM(model_path, dtype="float32", page_size=1, num_pages=71, max_running_req=5, mixed_prefill=True)
+    assert [o.token_ids for o in tight.generate(PROMPTS, params)] == expected
+    assert tight.scheduler.cache.num_free_pages == tight.scheduler.cache.num_total_pages
+
+
+def test_an_arriving_prompt_costs_the_running_request_no_step(model_path):
+    sched = Scheduler(EngineConfig(model_path=str(model_path), dtype="float32", num_pages=200, page_size=4,
+                                   max_running_req=8, max_extend_tokens=16, mixed_prefill=True))
+    first = sched.add_request([1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
+    sched.step()  # prefill of the first request
+    got = 0
+    for i in range(10):
+        sched.add_request([4 + i] * 14, SamplingParams(max_tokens=1, ignore_eos=True))
+        for m in sched.step():
+            if m.uid == first:
+                got += len(m.next_tokens)
+    assert got == 10  # a token every step (separate steps give it one every other step)
+
+
+def test_speculation_runs_without_riders(model_path):
+    kw = dict(dtype="float32", page_size=4, num_pages=400, max_running_req=3, speculative="ngram",
+              num_speculative_tokens=3)
+    expected = [o.token_ids for o in LLM(model_path, **kw).generate(PROMPTS, PARAMS)]
+    llm = LLM(model_path, mixed_prefill=True, **kw)
+    batches = _record_batches(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    assert _mixed_steps(batches) == 0
+
+
+def test_mixed_moe_matches_transformers(tmp_path):
+    from tests.models.moe_checkpoints import hf_greedy, make_tiny_moe
+
+    path = make_tiny_moe(tmp_path, "per_expert", norm_topk_prob=True)
+    expected = hf_greedy(path, PROMPTS, 10)
+    llm = LLM(path, dtype="float32", page_size=4, num_pages=300, max_running_req=3, max_extend_tokens=16,
+              mixed_prefill=True)
+    batches = _record_batches(llm)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert _mixed_steps(batches) > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_mixed_hybrid_matches_transformers(tmp_path, kind):
+    """GDN layers: a rider is a one-token sequence of the varlen state step, from its own state slot."""
+    from tests.models.hybrid_checkpoints import MAX_NEW, PROMPTS as HYBRID_PROMPTS, hf_greedy, make_tiny_hybrid
+
+    path = make_tiny_hybrid(tmp_path, kind)
+    expected = hf_greedy(path, kind, HYBRID_PROMPTS, MAX_NEW)
+    llm = LLM(path, dtype="float32", page_size=4, max_running_req=3, max_extend_tokens=7, num_pages=256,
+              mixed_prefill=True)
+    batches = _record_batches(llm)
+    outs = llm.generate(HYBRID_PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert _mixed_steps(batches) > 0
+    assert llm.scheduler.cache.num_free_rows == 3
+
+
+def test_mixed_steps_in_static_prefill_graphs(model_path):
+    """The prefill graphs' request slots cover every running request when steps are mixed."""
+    kw = dict(dtype="float32", page_size=4, num_pages=400, max_running_req=3, max_extend_tokens=16,
+              attention_backend="triton")
+    expected = [o.token_ids for o in LLM(model_path, **kw).generate(PROMPTS, PARAMS)]
+    llm = LLM(model_path, mixed_prefill=True, **kw)
+    engine = llm.scheduler.engine
+    engine.config.prefill_graph_max_tokens = 16
+    runner = engine.build_prefill_graphs()
+    assert runner.max_reqs == 3
+    steps = []
+    run_static = runner.run_static
+    runner.run_static = lambda batch: steps.append(list(batch.extend_lens)) or run_static(batch)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    assert any(lens[0] == 1 and max(lens) > 1 for lens in steps)
