@@ -112,6 +112,51 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
     return statistics.median(rates)
 
 
+def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
+                      delay_ms: float) -> tuple[float, float]:
+    """In-process, with the served path's arrival pattern: `concurrency` clients, each sending its next prompt
+    `delay_ms` after its previous request finished (a served client waits for the FINAL response, then its next
+    request crosses tokenizer and engine intake), so prompts arrive one at a time where `bench_offline` admits
+    them in lock step. Separates what that pattern costs the engine from what the transport costs. Returns
+    (output tok/s, prefill steps per request)."""
+    import heapq
+
+    from freetoken_core.config import SamplingParams
+    from freetoken_core.llm import LLM
+
+    llm = LLM(model_path, max_running_req=concurrency, **engine_kw)
+    llm.generate(prompts[:concurrency], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+    sched, tok = llm.scheduler, llm.scheduler.tokenizer
+    ids = [tok.encode(p) for p in prompts]
+    params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+    phases: list[str] = []
+    prepare = sched.engine.prepare_batch
+    sched.engine.prepare_batch = lambda phase, *a, **kw: phases.append(phase) or prepare(phase, *a, **kw)
+    due: list[tuple[float, int]] = []  # (time the client sends, prompt index)
+    t0 = time.perf_counter()
+    for i in range(min(concurrency, len(ids))):
+        heapq.heappush(due, (t0, i))
+    sent, done, tokens = min(concurrency, len(ids)), 0, 0
+    while done < len(ids):
+        now = time.perf_counter()
+        while due and due[0][0] <= now:
+            sched.add_request(ids[heapq.heappop(due)[1]], params)
+        if not sched.has_work():
+            time.sleep(max(0.0, due[0][0] - now))
+            continue
+        for m in sched.step():
+            tokens += len(m.next_tokens)
+            if m.finished:
+                done += 1
+                if sent < len(ids):
+                    heapq.heappush(due, (time.perf_counter() + delay_ms / 1e3, sent))
+                    sent += 1
+    dt = time.perf_counter() - t0
+    sched.engine.prepare_batch = prepare
+    del llm
+    return tokens / dt, phases.count("prefill") / len(ids)
+
+
 def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
                  stream: bool = True) -> float:
     import tritonclient.grpc as grpcclient
@@ -197,6 +242,9 @@ def main() -> int:
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-stream", action="store_true", help="one response per request (isolates per-response cost)")
     p.add_argument("--only", choices=["offline", "triton"], default=None, help="run one path (for profiling)")
+    p.add_argument("--closed-loop-ms", type=float, nargs="*", default=[],
+                   help="also in-process with served arrivals: each client sends its next prompt this many ms "
+                        "after its previous one finished (bench_closed_loop); several values: one column each")
     p.add_argument("--rounds", type=int, default=3, help="in-process: timed runs per concurrency (median)")
     p.add_argument("--engine", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="EngineConfig fields for both paths, e.g. prefill_graph_max_tokens=512")
@@ -227,12 +275,21 @@ def main() -> int:
             served = bench_triton(model_path, prompts, args.output_tokens, c, engine_kw, not args.no_stream)
             print(f"concurrency {c}: tritonserver {'stream' if not args.no_stream else 'single'} {served:8.1f} "
                   "output tok/s", flush=True)
-        rows.append((c, offline, served))
+        loops = []
+        for d in args.closed_loop_ms:
+            rate, prefills = bench_closed_loop(model_path, prompts, args.output_tokens, c, engine_kw, d)
+            loops.append((rate, prefills))
+            print(f"concurrency {c}: in-process closed loop, {d:g} ms between requests: {rate:8.1f} output tok/s, "
+                  f"{prefills:.2f} prefill steps per request", flush=True)
+        rows.append((c, offline, served, loops))
     print(f"\n{args.requests} requests, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
           f"engine {engine_kw}")
-    print("| concurrency | in-process tok/s | served tok/s | served / in-process |\n|---|---|---|---|")
-    for c, offline, served in rows:
-        print(f"| {c} | {offline:.1f} | {served:.1f} | {served / offline:.3f} |")
+    loop_cols = "".join(f" closed loop {d:g} ms tok/s (prefill steps/request) |" for d in args.closed_loop_ms)
+    print(f"| concurrency | in-process tok/s | served tok/s | served / in-process |{loop_cols}\n"
+          f"|---|---|---|---|{'---|' * len(args.closed_loop_ms)}")
+    for c, offline, served, loops in rows:
+        cells = "".join(f" {r:.1f} ({p:.2f}) |" for r, p in loops)
+        print(f"| {c} | {offline:.1f} | {served:.1f} | {served / offline:.3f} |{cells}")
     return 0
 
 
