@@ -340,6 +340,8 @@ class Engine:
         device (overlap scheduling) gets a placeholder id; `launch(..., inflight=...)` fills it in.
         A request is sampled when the step reaches its (virtual) length."""
         cache = self.cache
+        if phase == "decode":
+            return self._prepare_decode(reqs, rows_per_req)
         ids: list[int] = []
         pos: list[int] = []
         loc: list[int] = []
@@ -360,17 +362,42 @@ class Engine:
             elif start + n >= req.seq_len + req.inflight:
                 sample_rows.append(row - 1)
                 sample_reqs.append(i)
-        # one host-to-device copy for the step's index data
-        packed = to_device([ids, pos, loc], torch.int64, self.device)
+        return self._batch(phase, reqs, list(extend_lens), prefix_lens, ids, pos, loc, sample_rows, sample_reqs,
+                           rows_per_req)
+
+    def _prepare_decode(self, reqs: list[Req], rows_per_req: int) -> Batch:
+        """prepare_batch of a decode step (one row per request, every request sampled): the per-step
+        host work of the largest batches, without the general path's slices and per-row loops."""
+        slot = self.cache.slot
+        ids, pos, loc = [], [], []
+        for req in reqs:
+            p = req.cached_len
+            n_in = len(req.input_ids)
+            if p < n_in:
+                tok = req.input_ids[p]
+            else:  # the token is committed, or still being sampled on the device (0: gathered in launch)
+                tok = req.output_ids[p - n_in] if p - n_in < len(req.output_ids) else 0
+            ids.append(tok)
+            pos.append(p)
+            loc.append(slot(req, p))
+        rows = list(range(len(reqs)))
+        return self._batch("decode", reqs, [1] * len(reqs), pos, ids, pos, loc, rows, rows, rows_per_req)
+
+    def _batch(self, phase: Phase, reqs: list[Req], extend_lens: list[int], prefix_lens: list[int],
+               ids: list[int], pos: list[int], loc: list[int], sample_rows: list[int], sample_reqs: list[int],
+               rows_per_req: int) -> Batch:
+        # one host-to-device copy for the step's index data (the sampled rows too: views of one tensor)
+        t = len(ids)
+        packed = to_device(ids + pos + loc + sample_rows, torch.int64, self.device)
         return Batch(
             phase=phase,
             reqs=reqs,
-            extend_lens=list(extend_lens),
-            prefix_lens=prefix_lens,
-            input_ids=packed[0],
-            positions=packed[1],
-            out_loc=packed[2],
-            sample_rows=to_device(sample_rows, torch.int64, self.device),
+            extend_lens=extend_lens,
+            prefix_lens=list(prefix_lens),
+            input_ids=packed[:t],
+            positions=packed[t:2 * t],
+            out_loc=packed[2 * t:3 * t],
+            sample_rows=packed[3 * t:],
             sample_reqs=sample_reqs,
             rows_per_req=rows_per_req,
         )

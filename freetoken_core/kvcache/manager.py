@@ -64,6 +64,16 @@ class CacheManager:
         have = len(self._pages.get(req.table_row, [])) if req.table_row >= 0 else 0
         return max(0, pages_for(num_tokens, self.page_size) - have)
 
+    def pages_needed_total(self, reqs: list[Req], lengths: list[int]) -> int:
+        """sum(pages_needed(r, n)) over a batch in one pass (the decode planner asks every step)."""
+        ps, pages = self.page_size, self._pages
+        total = 0
+        for r, n in zip(reqs, lengths):
+            short = (n + ps - 1) // ps - len(pages[r.table_row])
+            if short > 0:
+                total += short
+        return total
+
     def allocate(self, req: Req, num_tokens: int) -> None:
         """Make sure the request's pages cover its first `num_tokens` tokens."""
         if num_tokens > self.pages_per_row * self.page_size:
@@ -114,6 +124,11 @@ class CacheManager:
         ps = self.page_size
         pages = self._pages[req.table_row]
         return [pages[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def slot(self, req: Req, pos: int) -> int:
+        """Flat cache slot of one position of a request (its page must be allocated)."""
+        ps = self.page_size
+        return self._pages[req.table_row][pos // ps] * ps + pos % ps
 
     def flush(self) -> None:
         """Write this step's page-table changes to the device table in one operation."""

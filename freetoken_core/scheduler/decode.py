@@ -25,7 +25,7 @@ def plan_decode(
     candidates = [r for r in reversed(running)]  # newest first
 
     def shortfall() -> int:
-        need = sum(cache.pages_needed(r, length(r)) for r in batch)
+        need = cache.pages_needed_total(batch, [length(r) for r in batch])
         freed = sum(len(cache.pages_of(v)) for v in victims)
         return need - (cache.num_free_pages + freed)
 
@@ -38,6 +38,10 @@ def plan_decode(
 
 
 def allocate_decode(batch: list[Req], cache: CacheManager, length: LengthFn = _seq_len) -> None:
-    """Pages for every position the step writes (length(r) tokens: the last is this step's row)."""
-    for r in batch:
-        cache.allocate(r, length(r))
+    """Pages for every position the step writes (length(r) tokens: the last is this step's row).
+    Only a request whose row crosses into a new page allocates (one in page_size steps)."""
+    lengths = [length(r) for r in batch]
+    if cache.pages_needed_total(batch, lengths) == 0:
+        return
+    for r, n in zip(batch, lengths):
+        cache.allocate(r, n)

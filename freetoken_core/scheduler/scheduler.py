@@ -224,7 +224,10 @@ class Scheduler:
         return self.cache.num_free_rows > 0  # one row per admitted request, max_running_req rows
 
     def _decoders(self) -> list[Req]:
-        return [r for r in self.running if r.seq_len + r.inflight - r.cached_len == 1 and self._wants_more(r)]
+        # seq_len + inflight - cached_len == 1 and _wants_more, spelled out (every step, every request)
+        return [r for r in self.running
+                if len(r.input_ids) + len(r.output_ids) + r.inflight - r.cached_len == 1
+                and len(r.output_ids) + r.inflight < r.sampling.max_tokens]
 
     @staticmethod
     def _wants_more(req: Req) -> bool:
@@ -354,21 +357,25 @@ class Scheduler:
         """Append tokens in order; stop at the first that finishes the request. Returns the count taken."""
         p = req.sampling
         checker = self._stop_checkers.get(req.uid)
-        for i, tok in enumerate(tokens):
-            req.output_ids.append(tok)
+        out = req.output_ids
+        n_prompt = len(req.input_ids)
+        max_req_len = self.max_req_len
+        for i, tok in enumerate(tokens):  # locals, not Req's properties: this runs for every token of every step
+            out.append(tok)
             self.generated_tokens_total += 1
+            n_out = len(out)
             reason: str | None = None
             stop_reason: int | str | None = None
-            if req.num_output >= p.min_tokens:
+            if n_out >= p.min_tokens:
                 if tok in p.stop_token_ids:
                     reason, stop_reason = "stop", tok
                 elif not p.ignore_eos and tok in self.eos_token_ids:
                     reason, stop_reason = "stop", tok
             if reason is None and checker is not None:
                 matched = checker.add(tok)
-                if matched is not None and req.num_output >= p.min_tokens:
+                if matched is not None and n_out >= p.min_tokens:
                     reason, stop_reason = "stop", matched
-            if reason is None and (req.num_output >= p.max_tokens or req.seq_len >= self.max_req_len):
+            if reason is None and (n_out >= p.max_tokens or n_prompt + n_out >= max_req_len):
                 reason = "length"
             if reason is not None:
                 req.stop_reason = stop_reason
@@ -397,16 +404,10 @@ class Scheduler:
 
     def _message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
         want_lp = req.sampling.logprobs is not None and lp_start is not None
+        # positional, in DetokenizeMsg's field order (a message per request per step)
         return DetokenizeMsg(
-            uid=req.uid,
-            next_tokens=tokens,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=req.output_logprobs[lp_start:] if want_lp else None,
-            top_logprobs=req.output_top_logprobs[lp_start:] if want_lp and req.sampling.logprobs else None,
-            num_prompt_tokens=req.prompt_len,
-            num_output_tokens=req.num_output,
-            spec_accepted=req.spec_accepted,
-            spec_proposed=req.spec_proposed,
+            req.uid, tokens, req.finished, req.finish_reason, req.stop_reason,
+            req.output_logprobs[lp_start:] if want_lp else None,
+            req.output_top_logprobs[lp_start:] if want_lp and req.sampling.logprobs else None,
+            len(req.input_ids), len(req.output_ids), None, req.spec_accepted, req.spec_proposed,
         )
