@@ -7,6 +7,8 @@ Served load brings prompts one or a few at a time (each finished stream brings t
 prefill step of its own while every running request waits for it. One row: a scheduler step that admits n
 prompts of t tokens and prefills them (admission, forward, sampling, the tokens back on the host): the median
 wall time of `--repeats` steps, eager and from the graphs, alternating, in one process on the same weights.
+Then, per shape, what one arriving prompt costs `--decoders` running requests, with separate steps (the prefill
+step, in which no one decodes) and with `mixed_prefill` (the mixed step minus the decode step it replaces).
 """
 
 from __future__ import annotations
@@ -37,6 +39,45 @@ def prefill_step_s(sched: Scheduler, n: int, t: int) -> float:
     while sched.has_work():  # nothing left normally; a prompt past the step budget would continue here
         sched.step()
     return dt
+
+
+def timed_steps(sched: Scheduler, n: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        sched.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def arrival_cost(name: str, root: Path, decoders: int, prompt: int, args) -> None:
+    """What one arriving prompt costs `decoders` running requests: with separate steps, the prefill step
+    (no one decodes in it); mixed (mixed_prefill), the mixed step minus the decode step it replaces."""
+    cfg = EngineConfig(model_path=str(write_shape(name, root)), load_format="dummy", dtype="bfloat16",
+                       device="cuda", max_running_req=decoders + 1, page_size=16, max_seq_len=4096,
+                       max_extend_tokens=2048, prefill_graph_max_tokens=args.max_tokens, mixed_prefill=True,
+                       memory_fraction=0.5)
+    sched = Scheduler(cfg)
+    long = SamplingParams(max_tokens=3000, ignore_eos=True)
+    for _ in range(decoders):
+        sched.add_request(torch.randint(10, sched.engine.vocab_size - 10, (128,)).tolist(), long)
+    timed_steps(sched, 20)  # admitted, prefilled, decoding
+    decode_ms = 1e3 * timed_steps(sched, 50)
+    cost: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(args.repeats + 1):
+        for mixed in (False, True):
+            cfg.mixed_prefill = mixed
+            sched.add_request(torch.randint(10, sched.engine.vocab_size - 10, (prompt,)).tolist(),
+                              SamplingParams(max_tokens=1, ignore_eos=True))
+            ms = 1e3 * timed_steps(sched, 1)  # the arrival's step (with or without the decoders' rows)
+            if i:
+                cost[mixed].append(ms - decode_ms if mixed else ms)
+            timed_steps(sched, 3)
+    sep, mix = (statistics.median(cost[m]) for m in (False, True))
+    print(f"| {decoders} | {prompt} | {decode_ms:.3f} | {sep:.3f} | {mix:.3f} |", flush=True)
+    del sched
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def bench_shape(name: str, root: Path, args) -> None:
@@ -70,6 +111,12 @@ def bench_shape(name: str, root: Path, args) -> None:
     del sched, engine, runner
     gc.collect()
     torch.cuda.empty_cache()
+    if args.decoders:
+        print(f"\n{name}: what one arriving prompt costs the running requests, ms (prefill graphs on)")
+        print("| decoding requests | prompt tokens | decode step ms | separate: prefill step | mixed: mixed - decode step |")
+        print("|---|---|---|---|---|")
+        for d in args.decoders:
+            arrival_cost(name, root, d, args.arrival_tokens, args)
 
 
 def main() -> None:
@@ -79,7 +126,10 @@ def main() -> None:
     ap.add_argument("--reqs", default="1,2,4")
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--decoders", default="16,64", help="running requests for the arrival-cost table ('' = none)")
+    ap.add_argument("--arrival-tokens", type=int, default=128)
     args = ap.parse_args()
+    args.decoders = [int(x) for x in args.decoders.split(",") if x]
     args.tokens = [int(x) for x in args.tokens.split(",")]
     args.reqs = [int(x) for x in args.reqs.split(",")]
     print(f"# prefill steps, eager vs CUDA graphs: {torch.cuda.get_device_name()}, torch {torch.__version__}")
