@@ -50,7 +50,7 @@ def timed_steps(sched: Scheduler, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def arrival_cost(name: str, root: Path, decoders: int, prompt: int, args) -> None:
+def arrival_cost(name: str, root: Path, decoders: int, context: int, prompt: int, args) -> None:
     """What one arriving prompt costs `decoders` running requests: with separate steps, the prefill step
     (no one decodes in it); mixed (mixed_prefill), the mixed step minus the decode step it replaces."""
     cfg = EngineConfig(model_path=str(write_shape(name, root)), load_format="dummy", dtype="bfloat16",
@@ -58,9 +58,9 @@ def arrival_cost(name: str, root: Path, decoders: int, prompt: int, args) -> Non
                        max_extend_tokens=2048, prefill_graph_max_tokens=args.max_tokens, mixed_prefill=True,
                        memory_fraction=0.5)
     sched = Scheduler(cfg)
-    long = SamplingParams(max_tokens=3000, ignore_eos=True)
+    long = SamplingParams(max_tokens=4096 - context - 256, ignore_eos=True)
     for _ in range(decoders):
-        sched.add_request(torch.randint(10, sched.engine.vocab_size - 10, (128,)).tolist(), long)
+        sched.add_request(torch.randint(10, sched.engine.vocab_size - 10, (context,)).tolist(), long)
     timed_steps(sched, 20)  # admitted, prefilled, decoding
     decode_ms = 1e3 * timed_steps(sched, 50)
     cost: dict[bool, list[float]] = {False: [], True: []}
@@ -74,7 +74,7 @@ def arrival_cost(name: str, root: Path, decoders: int, prompt: int, args) -> Non
                 cost[mixed].append(ms - decode_ms if mixed else ms)
             timed_steps(sched, 3)
     sep, mix = (statistics.median(cost[m]) for m in (False, True))
-    print(f"| {decoders} | {prompt} | {decode_ms:.3f} | {sep:.3f} | {mix:.3f} |", flush=True)
+    print(f"| {decoders} | {context} | {prompt} | {decode_ms:.3f} | {sep:.3f} | {mix:.3f} |", flush=True)
     del sched
     gc.collect()
     torch.cuda.empty_cache()
@@ -113,10 +113,12 @@ def bench_shape(name: str, root: Path, args) -> None:
     torch.cuda.empty_cache()
     if args.decoders:
         print(f"\n{name}: what one arriving prompt costs the running requests, ms (prefill graphs on)")
-        print("| decoding requests | prompt tokens | decode step ms | separate: prefill step | mixed: mixed - decode step |")
-        print("|---|---|---|---|---|")
+        print("| decoding requests | their context | prompt tokens | decode step ms | separate: prefill step | "
+              "mixed: mixed - decode step |")
+        print("|---|---|---|---|---|---|")
         for d in args.decoders:
-            arrival_cost(name, root, d, args.arrival_tokens, args)
+            for c in args.contexts:
+                arrival_cost(name, root, d, c, args.arrival_tokens, args)
 
 
 def main() -> None:
@@ -128,8 +130,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--decoders", default="16,64", help="running requests for the arrival-cost table ('' = none)")
     ap.add_argument("--arrival-tokens", type=int, default=128)
+    ap.add_argument("--contexts", default="128,2048", help="the running requests' prompt lengths")
     args = ap.parse_args()
     args.decoders = [int(x) for x in args.decoders.split(",") if x]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
     args.tokens = [int(x) for x in args.tokens.split(",")]
     args.reqs = [int(x) for x in args.reqs.split(",")]
     print(f"# prefill steps, eager vs CUDA graphs: {torch.cuda.get_device_name()}, torch {torch.__version__}")
