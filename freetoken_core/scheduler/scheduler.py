@@ -224,15 +224,12 @@ class Scheduler:
         return self.cache.num_free_rows > 0  # one row per admitted request, max_running_req rows
 
     def _decoders(self) -> list[Req]:
-        # seq_len + inflight - cached_len == 1 and _wants_more, spelled out (every step, every request)
+        # seq_len + inflight - cached_len == 1 (its next row is a decode row) and it wants more (a request
+        # whose in-flight token is its last by length needs no further step); spelled out without Req's
+        # properties: this runs every step over every request
         return [r for r in self.running
                 if len(r.input_ids) + len(r.output_ids) + r.inflight - r.cached_len == 1
                 and len(r.output_ids) + r.inflight < r.sampling.max_tokens]
-
-    @staticmethod
-    def _wants_more(req: Req) -> bool:
-        # a request whose in-flight token is its last by length needs no further step
-        return req.num_output + req.inflight < req.sampling.max_tokens
 
     def _run_prefill(self, msgs: list[DetokenizeMsg]) -> tuple[bool, bool]:
         """A prefill step; with `mixed_prefill` the decoders ride along (one row each, in front).
