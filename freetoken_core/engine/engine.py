@@ -296,7 +296,12 @@ class Engine:
             self.verify_graph_runner.capture()
         runner = self.build_prefill_graphs()
         if runner is not None:
-            runner.capture()
+            try:
+                runner.capture()
+            except Exception:  # an opt-in speed-up: a capture that fails leaves prefill eager, said loudly
+                log.exception("capturing prefill graphs failed: prefilling eagerly")
+                self.prefill_graph_runner = None
+                torch.cuda.synchronize(self.device)
 
     def build_prefill_graphs(self) -> PrefillGraphRunner | None:
         """The small-prefill graph runner (engine/prefill_graph.py) when `prefill_graph_max_tokens` asks
