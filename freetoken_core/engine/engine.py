@@ -94,6 +94,8 @@ class Engine:
         # found once: the verify replay runs every speculative step
         self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
         self._graph_linear_steps: dict[tuple[int, int], LinearStateStep] = {}
+        # the prefill graphs' state step and its packed int buffer (_prefill_graph_linear_state)
+        self._prefill_linear_state: tuple[LinearStateStep, torch.Tensor] | None = None
         self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape)
         self.kv_cache = KVCache(shape, num_pages, self.device)
@@ -314,8 +316,6 @@ class Engine:
         why = None
         if not self.attn_backend.info.prefill_graph:
             why = f"attention backend {self.attn_backend.info.name} cannot capture prefill steps"
-        elif self.linear_pool is not None:
-            why = "the model's linear-state (GDN) layers prefill eagerly"
         elif self.moe_strategy not in ("resident", "none"):
             why = f"moe_strategy {self.moe_strategy} places the experts a prefill step needs on the host"
         elif self.tp is not None:
@@ -329,8 +329,30 @@ class Engine:
             # a mixed step (mixed_prefill) carries a row of every running request besides the new prompts
             cfg.max_running_req if cfg.mixed_prefill else min(cfg.prefill_graph_max_reqs, cfg.max_running_req),
             self.cache.dummy_row, self.device, pool=pool,
+            state_hook=self._prefill_graph_linear_state if self.linear_pool is not None else None,
         )
         return self.prefill_graph_runner
+
+    def _prefill_graph_linear_state(self, batch: Batch, rows: int, slots: int) -> None:
+        """PrefillGraphRunner hook: the GDN layers' varlen state step of a static prefill step, in static
+        buffers (one set; the graphs replay one at a time). Request slots past the batch's requests are the
+        padding request (rows [real, rows)) and empty ones, all on the dummy state slot 0, fresh."""
+        if self._prefill_linear_state is None:
+            ints = torch.zeros(3 * slots + 1, dtype=torch.int64, device=self.device)  # slots | cu_seqlens | fresh
+            step = LinearStateStep(self.linear_pool, ints[:slots], varlen=True, cu_seqlens=ints[slots:2 * slots + 1],
+                                   initial_zero=torch.zeros(slots, dtype=torch.bool, device=self.device))
+            self._prefill_linear_state = (step, ints)
+        step, ints = self._prefill_linear_state
+        dummy, n = self.cache.dummy_row, batch.size
+        slot_ids = [slot_of_row(r.table_row, dummy) for r in batch.reqs] + [0] * (slots - n)
+        cu = [0]
+        for e in batch.extend_lens:
+            cu.append(cu[-1] + e)
+        cu += [rows] * (slots - n)  # the padding request ends at `rows`; the empty slots after it too
+        fresh = [int(p == 0) for p in batch.prefix_lens] + [1] * (slots - n)
+        ints.copy_(to_device(slot_ids + cu + fresh, torch.int64, self.device), non_blocking=True)
+        step.initial_zero.copy_(ints[2 * slots + 1:].bool())
+        self.ctx.linear_state = step
 
     def _logits_of_sample_rows(self, batch: Batch) -> torch.Tensor:
         return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions)[batch.sample_rows])

@@ -17,8 +17,11 @@ other row, and a NaN there would pick no valid expert).
 Output: fp32 logits of each request's last row, [max_reqs, vocab]; `replay` returns the rows of the
 requests the batch samples (those whose prompt ends in this step), in order.
 
-Not covered (eager as before): models with linear-state (GDN) layers, whose prefill state step is
-varlen on the host's bounds; batches that feed a drafter's features; backends without
+Hybrid models' GDN layers get the same shape of static state step (`state_hook`): the padding request and
+the request slots without rows run on the dummy state slot 0, fresh (initial_zero), so no real request's
+conv or recurrent state is read or written by them.
+
+Not covered (eager as before): batches that feed a drafter's features; backends without
 `BackendInfo.prefill_graph`.
 """
 
@@ -36,6 +39,9 @@ from ..kvcache.pool import DUMMY_PAGE
 log = logging.getLogger(__name__)
 
 LogitsFn = Callable[[Batch], torch.Tensor]  # fp32 logits of batch.sample_rows
+# before each static step (capture and replay): the model's own static per-request state, from the static
+# batch of `rows` rows with `slots` request slots (hybrid models: Engine._prefill_graph_linear_state)
+StateHook = Callable[[Batch, int, int], None]
 
 
 def prefill_graph_buckets(max_tokens: int) -> list[int]:
@@ -62,6 +68,7 @@ class PrefillGraphRunner:
         dummy_row: int,
         device: torch.device,
         pool: object = None,
+        state_hook: StateHook | None = None,
     ) -> None:
         if not buckets or max_reqs < 1:
             raise ValueError(f"prefill graphs need token buckets and max_reqs >= 1, got {buckets}, {max_reqs}")
@@ -73,6 +80,7 @@ class PrefillGraphRunner:
         self.dummy_row = dummy_row
         self.device = device
         self.pool = pool
+        self.state_hook = state_hook
         n = self.max_tokens
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -119,8 +127,13 @@ class PrefillGraphRunner:
         last += [0] * (self.max_reqs - len(last))
         self.last_rows.copy_(to_device(last, torch.int64, self.device), non_blocking=True)
         static = self._static_batch(batch, rows)
-        self.backend.prepare_prefill_graph(static, rows)
+        self._prepare(static, rows)
         return static
+
+    def _prepare(self, static: Batch, rows: int) -> None:
+        self.backend.prepare_prefill_graph(static, rows)
+        if self.state_hook is not None:
+            self.state_hook(static, rows, self.max_reqs + 1)
 
     def run_static(self, batch: Batch) -> torch.Tensor:
         """The captured step without the graph: the same static buffers and padding, run eagerly.
@@ -151,7 +164,7 @@ class PrefillGraphRunner:
             with torch.cuda.stream(stream), self.ctx.override(batch=batch) as ctx:
                 set_context(ctx)
                 try:
-                    self.backend.prepare_prefill_graph(batch, rows)
+                    self._prepare(batch, rows)
                     for _ in range(2):  # warm up (Triton compile/autotune) outside the graph
                         self._run(batch, rows)
                     graph = torch.cuda.CUDAGraph()

@@ -134,3 +134,22 @@ def test_engines_that_cannot_capture_prefill_say_why(tiny_model_factory, caplog)
         assert engine.build_prefill_graphs() is None
     assert "cannot capture prefill steps" in caplog.text
     assert engine.prefill_graph_runner is None
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["separate", "mixed"])
+def test_hybrid_static_prefill_matches_transformers(tmp_path, kind, mixed):
+    """GDN layers in the static steps: the padding request and empty request slots run on the dummy state
+    slot, so the requests' conv and recurrent states carry over chunks exactly; every slot comes back."""
+    from tests.models.hybrid_checkpoints import MAX_NEW, PROMPTS as HYBRID_PROMPTS, hf_greedy, make_tiny_hybrid
+
+    path = make_tiny_hybrid(tmp_path, kind)
+    expected = hf_greedy(path, kind, HYBRID_PROMPTS, MAX_NEW)
+    llm = LLM(path, attention_backend="triton", dtype="float32", page_size=4, max_running_req=3, max_extend_tokens=12,
+              num_pages=256, mixed_prefill=mixed)
+    assert llm.scheduler.engine.linear_pool is not None
+    calls = _count_static_steps(_with_static_prefill(llm, max_tokens=12, max_reqs=2))
+    outs = llm.generate(HYBRID_PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert calls and any(t < 12 for _, t in calls)
+    assert llm.scheduler.cache.num_free_rows == 3
