@@ -12,12 +12,14 @@ from ..attention import AttnBackend, create_backend
 from ..config import EngineConfig
 from ..env import kernel_env
 from ..core import Batch, Context, Phase, Req, set_context, to_device
-from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep, slot_of_row
+from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep
 from ..kvcache.manager import CacheManager, pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
 from ..layers.linear import use_gemv_for_all_sizes
 from ..kernels.pdl import device_uses_pdl
+from .batch_builder import build_batch
 from .graph import GraphRunner, default_bs_list
+from .linear_steps import LinearStateSteps
 from .prefill_graph import PrefillGraphRunner, prefill_graph_buckets
 from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
@@ -93,13 +95,12 @@ class Engine:
         self.linear_pool = self._linear_state_pool()
         # found once: the verify replay runs every speculative step
         self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
-        self._graph_linear_steps: dict[tuple[int, int], LinearStateStep] = {}
-        # the prefill graphs' state step and its packed int buffer (_prefill_graph_linear_state)
-        self._prefill_linear_state: tuple[LinearStateStep, torch.Tensor] | None = None
         self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape)
         self.kv_cache = KVCache(shape, num_pages, self.device)
         self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device)
+        self.linear_steps = (LinearStateSteps(self.linear_pool, self.cache.dummy_row, self.device)
+                             if self.linear_pool is not None else None)
         self.attn_backend: AttnBackend = create_backend(config.attention_backend, layout, self.kv_cache, self.cache.page_table)
         self.ctx = Context(kv_cache=self.kv_cache, attn_backend=self.attn_backend)
         if self.tp is not None:  # the workers size their shards of the K/V cache like this rank's
@@ -204,44 +205,21 @@ class Engine:
         return pool
 
     def linear_state_step(self, batch: Batch) -> LinearStateStep | None:
-        """The GDN layers' metadata for this batch: uniform rows (decode, verify) or varlen (prefill)."""
-        if self.linear_pool is None:
-            return None
-        dummy = self.cache.dummy_row
-        slots = [slot_of_row(r.table_row, dummy) for r in batch.reqs]
-        rows = batch.rows_per_req
-        uniform = batch.phase in ("decode", "verify") and all(n == rows for n in batch.extend_lens)
-        if uniform:
-            dev = to_device([slots, [rows] * len(slots)], torch.int64, self.device)
-            return LinearStateStep(self.linear_pool, dev[0], varlen=False, num_rows=dev[1], rows_per_req=rows,
-                                   write_state=batch.phase != "verify")
-        cu = [0]
-        for n in batch.extend_lens:
-            cu.append(cu[-1] + n)
-        dev = to_device([slots, cu[1:], [int(p == 0) for p in batch.prefix_lens]], torch.int64, self.device)
-        cu_seqlens = torch.cat([dev[1].new_zeros(1), dev[1]])
-        return LinearStateStep(self.linear_pool, dev[0], varlen=True, cu_seqlens=cu_seqlens,
-                               initial_zero=dev[2].bool())
+        """The GDN layers' metadata for this batch (engine/linear_steps.py); None for models without them."""
+        return None if self.linear_steps is None else self.linear_steps.for_batch(batch)
 
     def _graph_linear_state(self, batch: Batch) -> None:
-        """GraphRunner hook (capture and replay): the graph of each (rows, size) reads its slots and
-        row counts from static buffers, refilled here before every replay."""
-        if self.linear_pool is None:
+        """GraphRunner hook (capture and replay): the decode / verify graphs' static state step."""
+        if self.linear_steps is None:
             return
-        rows, bs = batch.rows_per_req, batch.padded_size or batch.size
-        key = (rows, bs)
-        step = self._graph_linear_steps.get(key)
-        if step is None:
-            step = LinearStateStep(self.linear_pool, torch.zeros(bs, dtype=torch.int64, device=self.device),
-                                   varlen=False, num_rows=torch.full((bs,), rows, dtype=torch.int64, device=self.device),
-                                   rows_per_req=rows, write_state=batch.phase != "verify")
-            self._graph_linear_steps[key] = step
-        dummy = self.cache.dummy_row
-        slots = [slot_of_row(r.table_row, dummy) for r in batch.reqs] + [0] * (bs - batch.size)
-        step.slot_ids.copy_(to_device(slots, torch.int64, self.device), non_blocking=True)
+        step = self.linear_steps.for_graph(batch)
         self.ctx.linear_state = step
         if batch.phase == "verify":
             self.last_verify_state = step
+
+    def _prefill_graph_linear_state(self, batch: Batch, rows: int, slots: int) -> None:
+        """PrefillGraphRunner hook: the prefill graphs' static state step."""
+        self.ctx.linear_state = self.linear_steps.for_prefill_graph(batch, rows, slots)
 
     @torch.inference_mode()
     def commit_verify(self, kept_rows: list[int]) -> None:
@@ -333,101 +311,17 @@ class Engine:
         )
         return self.prefill_graph_runner
 
-    def _prefill_graph_linear_state(self, batch: Batch, rows: int, slots: int) -> None:
-        """PrefillGraphRunner hook: the GDN layers' varlen state step of a static prefill step, in static
-        buffers (one set; the graphs replay one at a time). Request slots past the batch's requests are the
-        padding request (rows [real, rows)) and empty ones, all on the dummy state slot 0, fresh."""
-        if self._prefill_linear_state is None:
-            ints = torch.zeros(3 * slots + 1, dtype=torch.int64, device=self.device)  # slots | cu_seqlens | fresh
-            step = LinearStateStep(self.linear_pool, ints[:slots], varlen=True, cu_seqlens=ints[slots:2 * slots + 1],
-                                   initial_zero=torch.zeros(slots, dtype=torch.bool, device=self.device))
-            self._prefill_linear_state = (step, ints)
-        step, ints = self._prefill_linear_state
-        dummy, n = self.cache.dummy_row, batch.size
-        slot_ids = [slot_of_row(r.table_row, dummy) for r in batch.reqs] + [0] * (slots - n)
-        cu = [0]
-        for e in batch.extend_lens:
-            cu.append(cu[-1] + e)
-        cu += [rows] * (slots - n)  # the padding request ends at `rows`; the empty slots after it too
-        fresh = [int(p == 0) for p in batch.prefix_lens] + [1] * (slots - n)
-        ints.copy_(to_device(slot_ids + cu + fresh, torch.int64, self.device), non_blocking=True)
-        step.initial_zero.copy_(ints[2 * slots + 1:].bool())
-        self.ctx.linear_state = step
-
     def _logits_of_sample_rows(self, batch: Batch) -> torch.Tensor:
         return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions)[batch.sample_rows])
 
     def _logits_of_all_rows(self, batch: Batch) -> torch.Tensor:
         return self.model.lm_head.logits(self.model.forward(batch.input_ids, batch.positions))
 
-    # --- batch construction -----------------------------------------------------------------
+    # --- batch construction (engine/batch_builder.py) ------------------------------------------
     def prepare_batch(self, phase: Phase, reqs: list[Req], extend_lens: list[int], rows_per_req: int = 1) -> Batch:
-        """Build the step's tensors. Each request runs positions [cached_len, cached_len + extend_len);
-        its pages must already cover them. A position whose token is still being sampled on the
-        device (overlap scheduling) gets a placeholder id; `launch(..., inflight=...)` fills it in.
-        A request is sampled when the step reaches its (virtual) length."""
-        cache = self.cache
-        if phase == "decode":
-            return self._prepare_decode(reqs, rows_per_req)
-        ids: list[int] = []
-        pos: list[int] = []
-        loc: list[int] = []
-        sample_rows: list[int] = []
-        sample_reqs: list[int] = []
-        prefix_lens = []
-        row = 0
-        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
-            start = req.cached_len
-            prefix_lens.append(start)
-            ids.extend(req.token_slice(start, start + n))
-            pos.extend(range(start, start + n))
-            loc.extend(cache.slots(req, start, start + n))
-            row += n
-            if phase == "verify":
-                sample_rows.extend(range(row - n, row))
-                sample_reqs.extend([i] * n)
-            elif start + n >= req.seq_len + req.inflight:
-                sample_rows.append(row - 1)
-                sample_reqs.append(i)
-        return self._batch(phase, reqs, list(extend_lens), prefix_lens, ids, pos, loc, sample_rows, sample_reqs,
-                           rows_per_req)
-
-    def _prepare_decode(self, reqs: list[Req], rows_per_req: int) -> Batch:
-        """prepare_batch of a decode step (one row per request, every request sampled): the per-step
-        host work of the largest batches, without the general path's slices and per-row loops."""
-        slot = self.cache.slot
-        ids, pos, loc = [], [], []
-        for req in reqs:
-            p = req.cached_len
-            n_in = len(req.input_ids)
-            if p < n_in:
-                tok = req.input_ids[p]
-            else:  # the token is committed, or still being sampled on the device (0: gathered in launch)
-                tok = req.output_ids[p - n_in] if p - n_in < len(req.output_ids) else 0
-            ids.append(tok)
-            pos.append(p)
-            loc.append(slot(req, p))
-        rows = list(range(len(reqs)))
-        return self._batch("decode", reqs, [1] * len(reqs), pos, ids, pos, loc, rows, rows, rows_per_req)
-
-    def _batch(self, phase: Phase, reqs: list[Req], extend_lens: list[int], prefix_lens: list[int],
-               ids: list[int], pos: list[int], loc: list[int], sample_rows: list[int], sample_reqs: list[int],
-               rows_per_req: int) -> Batch:
-        # one host-to-device copy for the step's index data (the sampled rows too: views of one tensor)
-        t = len(ids)
-        packed = to_device(ids + pos + loc + sample_rows, torch.int64, self.device)
-        return Batch(
-            phase=phase,
-            reqs=reqs,
-            extend_lens=extend_lens,
-            prefix_lens=list(prefix_lens),
-            input_ids=packed[:t],
-            positions=packed[t:2 * t],
-            out_loc=packed[2 * t:3 * t],
-            sample_rows=packed[3 * t:],
-            sample_reqs=sample_reqs,
-            rows_per_req=rows_per_req,
-        )
+        """The step's tensors (`batch_builder.build_batch`): each request runs positions [cached_len,
+        cached_len + extend_len), its pages already allocated."""
+        return build_batch(self.cache, self.device, phase, reqs, extend_lens, rows_per_req)
 
     # --- forward ----------------------------------------------------------------------------
     @torch.inference_mode()

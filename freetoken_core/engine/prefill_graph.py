@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 LogitsFn = Callable[[Batch], torch.Tensor]  # fp32 logits of batch.sample_rows
 # before each static step (capture and replay): the model's own static per-request state, from the static
-# batch of `rows` rows with `slots` request slots (hybrid models: Engine._prefill_graph_linear_state)
+# batch of `rows` rows with `slots` request slots (hybrid models: Engine._prefill_graph_linear_state, engine/linear_steps.py)
 StateHook = Callable[[Batch, int, int], None]
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.config import EngineConfig
-from freetoken_core.scheduler.scheduler import Scheduler
+
+from test_scheduler import make_sched, tokens_while_prompts_arrive
 
 PROMPTS = [[5, 17, 42, 99, 3], [7] * 11, list(range(20, 57)), [200, 201], [9, 8, 7, 6, 5, 4, 3]]
 # different lengths: requests finish at different steps, so prompts arrive while others decode
@@ -65,17 +65,8 @@ def test_mixed_steps_under_page_pressure(model_path):
 
 
 def test_an_arriving_prompt_costs_the_running_request_no_step(model_path):
-    sched = Scheduler(EngineConfig(model_path=str(model_path), dtype="float32", num_pages=200, page_size=4,
-                                   max_running_req=8, max_extend_tokens=16, mixed_prefill=True))
-    first = sched.add_request([1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
-    sched.step()  # prefill of the first request
-    got = 0
-    for i in range(10):
-        sched.add_request([4 + i] * 14, SamplingParams(max_tokens=1, ignore_eos=True))
-        for m in sched.step():
-            if m.uid == first:
-                got += len(m.next_tokens)
-    assert got == 10  # a token every step (separate steps give it one every other step)
+    sched = make_sched(model_path, max_running_req=8, max_extend_tokens=16, mixed_prefill=True)
+    assert tokens_while_prompts_arrive(sched) == 10  # a token every step (separate steps: every other step)
 
 
 def test_speculation_runs_without_riders(model_path):

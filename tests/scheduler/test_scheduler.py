@@ -73,16 +73,21 @@ def test_retraction_under_page_pressure_keeps_greedy_output(model_path):
     assert tight.scheduler.cache.num_free_pages == tight.scheduler.cache.num_total_pages
 
 
-def test_decode_not_starved_by_stream_of_prompts(model_path):
-    sched = make_sched(model_path, max_running_req=8, max_extend_tokens=16)
-    first = sched.add_request([1, 2, 3], SamplingParams(max_tokens=10, ignore_eos=True))
+def tokens_while_prompts_arrive(sched: Scheduler, steps: int = 10) -> int:
+    """A running request's tokens over `steps` steps that each bring a new 14-token prompt."""
+    first = sched.add_request([1, 2, 3], SamplingParams(max_tokens=steps + 2, ignore_eos=True))
     sched.step()  # prefill of the first request
     got = 0
-    for i in range(10):
+    for i in range(steps):
         sched.add_request([4 + i] * 14, SamplingParams(max_tokens=1, ignore_eos=True))
         for m in sched.step():
             if m.uid == first:
                 got += len(m.next_tokens)
+    return got
+
+
+def test_decode_not_starved_by_stream_of_prompts(model_path):
+    got = tokens_while_prompts_arrive(make_sched(model_path, max_running_req=8, max_extend_tokens=16))
     # at least every other step decodes the running request
     assert got >= 5
 
