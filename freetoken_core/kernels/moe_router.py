@@ -26,9 +26,10 @@ from .pdl_jit import pdl_wait_then_release  # noqa: E402
 
 
 @triton.jit
-def _router_probs(logits_ptr, row, E, stride_l, BLOCK_E: tl.constexpr, CACHE: tl.constexpr = ""):
+def _router_probs(logits_ptr, row, E, stride_l, BLOCK_E: tl.constexpr, CACHE: tl.constexpr):
     """fp32 softmax of one row of router logits; the padding lanes hold -inf, so they never win.
-    CACHE ".cg": read through L2 only (logits other programs of this launch wrote)."""
+    CACHE ".cg": read through L2 only (logits other programs of this launch wrote); "" the default.
+    (No default values on jit helpers: Triton 3.6 passes a str default through unwrapped and fails to compile.)"""
     offs_e = tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     logits = tl.load(logits_ptr + row * stride_l + offs_e, mask=e_ok, other=float("-inf"),
@@ -66,7 +67,7 @@ def _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K: tl.constexpr,
 
 @triton.jit
 def _store_shared_route(logits_ptr, weights_ptr, ids_ptr, row, E, stride_l, TOP_K: tl.constexpr, OUT_K: tl.constexpr,
-                        CACHE: tl.constexpr = ""):
+                        CACHE: tl.constexpr):
     # route k: the shared expert (stacked as expert E), weighted by sigmoid of its gate logit
     gate = tl.load(logits_ptr + row * stride_l + E, cache_modifier=CACHE).to(tl.float32)
     tl.store(weights_ptr + row * OUT_K + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
@@ -99,11 +100,11 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: t
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
         pdl_wait_then_release()
-    probs = _router_probs(logits_ptr, row, E, stride_l, BLOCK_E)
+    probs = _router_probs(logits_ptr, row, E, stride_l, BLOCK_E, "")
     top_w, top_i = _topk_rounds(probs, TOP_K, BLOCK_E, BLOCK_K)
     _store_routing(weights_ptr, ids_ptr, row, top_w, top_i, TOP_K, RENORMALIZE, BLOCK_K, OUT_K)
     if SHARED:
-        _store_shared_route(logits_ptr, weights_ptr, ids_ptr, row, E, stride_l, TOP_K, OUT_K)
+        _store_shared_route(logits_ptr, weights_ptr, ids_ptr, row, E, stride_l, TOP_K, OUT_K, "")
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -22,7 +22,7 @@ import torch
 # first: gdn_cases keeps transformers off fla / causal_conv1d (their CUDA-only kernels)
 from tests.kernels.gdn_cases import DEV, K_CONV, SLOTS, TOL, _gen, conv_inputs, gate_inputs, ids, needs_cuda, state_pool
 from freetoken_core import core  # noqa: E402
-from freetoken_core.env import KernelEnv, kernel_env  # noqa: E402
+from freetoken_core.env import KernelEnv, kernel_env, triton_interpreted  # noqa: E402
 from freetoken_core.kernels import causal_conv1d as conv_k  # noqa: E402
 from freetoken_core.kernels import gdn  # noqa: E402
 from freetoken_core.kernels import gdn_out_gemv  # noqa: E402
@@ -75,17 +75,25 @@ def test_fused_conv_equals_conv_then_recurrence(case, dtype, bias, dv, block_v):
         o_u = _unfused(x, w, b, cpool_u, a, bb, spool_u, slots, num_rows, dict(kw, block_v=block_v))
         o_r = ref.gdn_decode_with_conv_ref(x, w, b, cpool_r, a, bb, spool_r, slots, num_rows, HK, **kw)
         assert torch.count_nonzero(arrivals) == 0  # every launch leaves its counters at 0
-        # the same operations in the same order as the unfused kernels: equal, not just close
-        torch.testing.assert_close(o[real], o_u[real], atol=0, rtol=0)
+        # the same operations in the same order as the unfused kernels
+        torch.testing.assert_close(o[real], o_u[real], **_fused_vs_unfused(o.dtype))
         tol = TOL if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
         torch.testing.assert_close(o[real], o_r[real], **tol)
         for got, unfused, want in ((cpool, cpool_u, cpool_r), (spool, spool_u, spool_r)):
-            torch.testing.assert_close(got[1:], unfused[1:], atol=0, rtol=0)
+            torch.testing.assert_close(got[1:], unfused[1:], **_fused_vs_unfused(got.dtype))
             torch.testing.assert_close(got[1:], want[1:], **(TOL if got.dtype == torch.float32 else tol))
     untouched = [s for s in range(1, SLOTS) if s not in slots_l]
     assert torch.equal(cpool[untouched], before[0][untouched]) and torch.equal(spool[untouched], before[1][untouched])
     if case == "b3":  # slot 0 (num_rows 0 there) keeps its states
         assert torch.equal(cpool[0], before[0][0]) and torch.equal(spool[0], before[1][0])
+
+
+def _fused_vs_unfused(dtype: torch.dtype) -> dict:
+    """Fused against unfused kernels: exact under the interpreter (same operations, same order); compiled, the
+    fused kernel's fp32 arithmetic may be contracted into other FMAs (H200: 2 of 128 outputs 4e-8 apart)."""
+    if triton_interpreted():
+        return dict(atol=0, rtol=0)
+    return dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=8e-3, rtol=8e-3)
 
 
 def test_fused_conv_checks_its_inputs():
@@ -211,12 +219,13 @@ def _decode_steps(layer, slots, steps, device, dtype, seed=0):
 def test_layer_switches_leave_the_cpu_path_alone(monkeypatch):
     """CPU: the layer runs the torch references whatever the switches say (no launches to save there)."""
     layer = _layer(torch.float32, "cpu", 2, 4, 16, 16, 32)
+    before = kernel_env()
     results = []
     for on in (False, True):
         with _switches(monkeypatch, on):
             assert kernel_env().gdn_fused_conv is on and kernel_env().gdn_out_norm_gemv is on
             results.append(_decode_steps(layer, [3], 2, "cpu", torch.float32))
-    assert kernel_env().gdn_fused_conv is False and kernel_env().gdn_out_norm_gemv is False  # defaults back
+    assert kernel_env() == before  # the process's switches back
     (outs_off, pool_off), (outs_on, pool_on) = results
     for a, b in zip(outs_off, outs_on):
         assert torch.equal(a, b)
