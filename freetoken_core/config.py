@@ -7,6 +7,10 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
+# EngineConfig.prefill_graph_max_tokens: the largest prefill step captured by default (CUDA, with decode graphs)
+PREFILL_GRAPH_MAX_TOKENS_DEFAULT = 512
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings (names follow vLLM's SamplingParams)."""
@@ -93,9 +97,10 @@ class EngineConfig:
     decode_rows_per_req: int = 1  # query rows one request may run per decode step (speculation: k+1)
     cuda_graph: bool = True  # capture decode with CUDA graphs (CUDA only)
     cuda_graph_max_bs: int | None = None
-    # > 0: also capture prefill steps of up to this many rows (and prefill_graph_max_reqs requests) in CUDA
-    # graphs (engine/prefill_graph.py): a short prompt's eager prefill is launch-bound; 0 = eager prefill
-    prefill_graph_max_tokens: int = 0
+    # > 0: where decode runs in CUDA graphs, also capture prefill steps of up to this many rows (and
+    # prefill_graph_max_reqs requests) (engine/prefill_graph.py): a short prompt's eager prefill is launch-bound
+    # (SmolLM2, H200: 17 ms eager, 0.6 ms captured; served at 1 stream +32% tok/s); 0 = eager prefill
+    prefill_graph_max_tokens: int = PREFILL_GRAPH_MAX_TOKENS_DEFAULT
     prefill_graph_max_reqs: int = 4
     # prefill steps also carry one row of every decoding request (SGLang's --enable-mixed-chunk), so an
     # arriving prompt does not cost the running requests a step; their rows count in max_extend_tokens

@@ -40,7 +40,8 @@ class KernelEnv:
     # resident experts). Qwen3.6 batch 1 on the H200: 327 -> 364 tok/s (benchmarks/RESULTS.md, tenth session).
     fused_shared_expert: bool = True
     fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
-    # Batch-1 decode launches folded into their neighbours (each off until measured on the GPU, then on):
+    # Batch-1 decode launches folded into their neighbours. Off: on the H200 all five together were no faster
+    # (30B bs1 404-405 against 408-409 tok/s, Qwen3.6 345 against 351; benchmarks/RESULTS.md, twelfth session):
     # FREETOKEN_ROUTER_TOPK_FUSED: the MoE router's top-k in the router GEMV's launch (its last program ranks)
     router_topk_fused: bool = False
     # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel

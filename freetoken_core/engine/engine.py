@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..attention import AttnBackend, create_backend
-from ..config import EngineConfig
+from ..config import PREFILL_GRAPH_MAX_TOKENS_DEFAULT, EngineConfig
 from ..env import kernel_env
 from ..core import Batch, Context, Phase, Req, set_context, to_device
 from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep
@@ -298,8 +298,9 @@ class Engine:
             why = f"moe_strategy {self.moe_strategy} places the experts a prefill step needs on the host"
         elif self.tp is not None:
             why = "tensor-parallel steps run eagerly"
-        if why is not None:
-            log.warning("prefill_graph_max_tokens %d: %s; prefilling eagerly", cfg.prefill_graph_max_tokens, why)
+        if why is not None:  # loud only when asked for; the default just says it once
+            say = log.info if cfg.prefill_graph_max_tokens == PREFILL_GRAPH_MAX_TOKENS_DEFAULT else log.warning
+            say("prefill_graph_max_tokens %d: %s; prefilling eagerly", cfg.prefill_graph_max_tokens, why)
             return None
         pool = self.graph_runner.pool if self.graph_runner is not None else None
         self.prefill_graph_runner = PrefillGraphRunner(
