@@ -22,6 +22,18 @@ import torch  # noqa: E402
 TINY_VOCAB = 256
 
 
+def pytest_sessionstart(session):
+    # every interpreted kernel launch recorded for tests/test_sm90_frontend.py
+    from tests import triton_launches
+
+    triton_launches.install()
+
+
+def pytest_collection_modifyitems(config, items):
+    # tests marked runs_last (the sm_90 frontend check of the launches the others made) go last, in order
+    items.sort(key=lambda item: item.get_closest_marker("runs_last") is not None)
+
+
 def tiny_config(arch: str = "llama", tie: bool = False, head_dim: int | None = None,
                 rope_scaling: dict[str, Any] | None = None, **overrides: Any):
     """A tiny GQA config (4 query heads, 2 KV heads) of the given family."""
