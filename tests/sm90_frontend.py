@@ -61,12 +61,15 @@ def signature_of(fn, args: dict[str, list]) -> tuple[dict[str, str], dict[str, o
     return signature, constexprs
 
 
+BACKEND = make_backend(TARGET)
+OPTION_NAMES = {f.name for f in dataclasses.fields(BACKEND.parse_options({}))}
+
+
 def to_ttir(fn, signature: dict[str, str], constexprs: dict[str, object], options: dict) -> None:
     """The first stage of `triton.compile` for TARGET (compiler.py: parse options, load dialects, make_ir)."""
-    backend = make_backend(TARGET)
+    backend = BACKEND
     src = ASTSource(fn, signature, constexprs)
-    known = {f.name for f in dataclasses.fields(backend.parse_options({}))}
-    opts = backend.parse_options({k: v for k, v in {**options, **src.parse_options()}.items() if k in known})
+    opts = backend.parse_options({k: v for k, v in {**options, **src.parse_options()}.items() if k in OPTION_NAMES})
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)

@@ -17,19 +17,28 @@ from tests import triton_launches
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _frontend(tmp_path: Path, launches: list[dict], import_root: Path | None = None) -> list[dict]:
+    """Run tests/sm90_frontend.py on `launches` in a process of its own (TRITON_INTERPRET=0): its output lines,
+    one per failed launch, then the counts; the exit status says whether any failed."""
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(launches))
+    roots = [str(p) for p in (import_root, ROOT) if p is not None]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([*roots, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "tests.sm90_frontend", str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines and out.returncode == int(lines[-1]["failed"] > 0), out.stdout[-3000:] + out.stderr[-3000:]
+    return lines
+
+
 @pytest.mark.runs_last
 def test_recorded_launches_pass_the_sm90_frontend(tmp_path):
     launches = triton_launches.recorded()
     if not launches:
         pytest.skip("no interpreted kernel launches were recorded: run it with the kernel tests (a GPU machine "
                     "compiles them in its own tests)")
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps(launches))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "tests.sm90_frontend", str(path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert lines and lines[-1].get("checked") == len(launches), out.stdout[-3000:] + out.stderr[-3000:]
+    lines = _frontend(tmp_path, launches)
+    assert lines[-1].get("checked") == len(launches), lines[-1]
     failures = lines[:-1]
     assert not failures, "\n".join(f"{f['kernel']}: {f['error']}" for f in failures[:10])
     # the launches the recorder could not describe (an argument kind it does not know) were not checked
@@ -49,15 +58,7 @@ def _check_probe(tmp_path, kernels: dict[str, str]) -> list[dict]:
     launches = [{"module": "freetoken_core_probe.kernels", "name": name,
                  "args": {"x_ptr": ["tensor", "float32"], "y_ptr": ["tensor", "float32"]}, "options": {}}
                 for name in kernels]
-    path = tmp_path / "launches.json"
-    path.write_text(json.dumps(launches))
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-m", "tests.sm90_frontend", str(path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert lines and out.returncode == int(lines[-1]["failed"] > 0), out.stdout + out.stderr
-    return lines
+    return _frontend(tmp_path, launches, import_root=tmp_path)
 
 
 def test_the_frontend_check_reports_what_fails_to_compile(tmp_path):

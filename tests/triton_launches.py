@@ -13,6 +13,7 @@ specialization, however often the tests launch it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -56,15 +57,21 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
     return "constexpr" in str(param.annotation)
 
 
+@functools.cache
+def _signature(fn) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
 def record(fn, args: tuple, kwargs: dict) -> None:
     """Called for every interpreted launch of `fn` (the kernel's Python function)."""
     if not fn.__module__.startswith("freetoken_core."):
         return
     name = f"{fn.__module__}.{fn.__qualname__}"
-    params = inspect.signature(fn).parameters
+    signature = _signature(fn)
+    params = signature.parameters
     kernel_kwargs = {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     try:
-        bound = inspect.signature(fn).bind(*args, **kernel_kwargs)
+        bound = signature.bind(*args, **kernel_kwargs)
     except TypeError as e:
         _unrecordable[name] = str(e)
         return
