@@ -52,14 +52,15 @@ def test_store_kv_strided_input_and_cast():
 @pytest.mark.parametrize("num_splits,fused_merge", [(1, True), (3, True), (3, False)])
 def test_decode_matches_reference(dtype, page_size, group, rows_per_req, num_splits, fused_merge):
     """num_splits 1: the no-split kernel; 3 with fused_merge: one launch, the last split merges;
-    3 without: the split kernel + the merge kernel."""
+    3 without: the split kernel + the merge kernel. At 8 keys a split the shortest request (1-3 keys)
+    uses one split (written directly), the longest all three."""
     num_kv_heads = 2
     prefix = [0, 5, 37]  # mixed lengths; the first request has no cached prefix at all
     c = make_case(prefix, [rows_per_req] * 3, num_kv_heads * group, num_kv_heads, HEAD_DIM, page_size, dtype, DEVICE)
     ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
     out = decode_attention(
         c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens), 0.3,
-        rows_per_req=rows_per_req, num_splits=num_splits, block_n=16, fused_merge=fused_merge,
+        rows_per_req=rows_per_req, num_splits=num_splits, block_n=16, fused_merge=fused_merge, min_split_tokens=8,
     )
     expect = ref.paged_attention_reference(
         c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows, c.prefix_lens, c.extend_lens, 0.3
@@ -79,11 +80,11 @@ def test_fused_merge_reuses_static_buffers_and_leaves_counters_zero():
     expect = ref.paged_attention_reference(c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows,
                                            c.prefix_lens, c.extend_lens, 0.3)
     unfused = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seqs, 0.3, num_splits=4, block_n=16,
-                               fused_merge=False)
+                               fused_merge=False, min_split_tokens=1)
     for _ in range(3):
         out = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, rows, seqs, 0.3, num_splits=4,
                                part_out=part_out, part_lse=part_lse, split_counters=counters, block_n=16,
-                               fused_merge=True)
+                               fused_merge=True, min_split_tokens=1)
         assert torch.equal(counters, torch.zeros_like(counters))
         torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(out, unfused, atol=1e-6, rtol=1e-6)  # the same merge, another order
@@ -93,7 +94,7 @@ def test_decode_head_dim_not_power_of_two():
     c = make_case([6, 20], [1, 1], 4, 2, 24, 4, torch.float32, DEVICE)
     ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
     out = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens),
-                           0.2, num_splits=2, block_n=16)
+                           0.2, num_splits=2, block_n=16, min_split_tokens=8)
     expect = ref.paged_attention_reference(c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows,
                                            c.prefix_lens, c.extend_lens, 0.2)
     torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
@@ -122,10 +123,30 @@ def test_decode_and_extend_agree_on_verify_rows():
     c = make_case([4, 13], [3, 3], 6, 2, HEAD_DIM, 4, torch.float32, DEVICE)
     ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
     a = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens),
-                         0.25, rows_per_req=3, num_splits=2, block_n=16)
+                         0.25, rows_per_req=3, num_splits=2, block_n=16, min_split_tokens=8)
     b = extend_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.prefix_lens),
                          c.ints(c.extend_lens), c.ints(c.q_starts), 3, 0.25, block_m=16, block_n=16)
     torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_decode_uses_only_the_splits_a_request_needs(fused_merge):
+    """A launch sized for 4 splits of 16 keys: a 5-key request runs in one program that writes its output
+    directly, a 20-key one in two, a 64-key one in all four; the unused splits' partials are never read, so
+    poisoning the scratch changes nothing."""
+    c = make_case([4, 19, 63], [1, 1, 1], 6, 2, HEAD_DIM, 4, torch.float32, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    part_out, part_lse = alloc_partials(3, 6, 4, HEAD_DIM, c.q.device)
+    part_out.fill_(float("nan"))
+    part_lse.fill_(float("nan"))
+    out = decode_attention(c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.seq_lens), 0.3,
+                           num_splits=4, part_out=part_out, part_lse=part_lse, block_n=16, fused_merge=fused_merge,
+                           min_split_tokens=16)
+    expect = ref.paged_attention_reference(c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows,
+                                           c.prefix_lens, c.extend_lens, 0.3)
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
+    written = ~torch.isnan(part_lse)  # [request, head, split]: the partials each request's splits wrote
+    assert written[0].sum() == 0 and written[1, :, :2].all() and written[1, :, 2:].sum() == 0 and written[2].all()
 
 
 def test_num_kv_splits_bounds():

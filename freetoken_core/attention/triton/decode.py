@@ -10,13 +10,18 @@ of the request's keys through the page table, and writes a normalised partial ou
 log-sum-exp (base 2). With one split, kernel 1 writes the final output directly (the no-split
 variant: one program per (request, KV head), no partials). A split's share is computed in the
 kernel from the request's own length, so the grid depends only on (batch size, KV heads, number
-of splits): CUDA graphs replay it for any lengths, and programs whose share is empty just record
-an empty partial.
+of splits): CUDA graphs replay it for any lengths.
+
+The split count is an upper bound: each request uses only as many splits as its length needs
+(`active = min(num_splits, cdiv(seq_len, min_split_tokens))`, worked out in the kernel; by default one
+split per BLOCK_N keys), so a request far shorter than the graph's capture-time length runs no empty
+splits and its merge reads only the partials it wrote; a request of one block writes its output
+directly and its merge program exits at once.
 
 Merging the splits: by default (`fused_merge`, FREETOKEN_DECODE_FUSED_MERGE) inside kernel 1, by the
 split that finishes last: each split, after storing its partial, takes a ticket from a
 per-(request, KV head) counter (a CTA barrier, then one acq_rel atomic: CUTLASS's split-K semaphore
-pattern); the split that draws num_splits - 1 reads all the partials back from L2 (.cg), writes the
+pattern); the split that draws active - 1 reads the active partials back from L2 (.cg), writes the
 output and resets the counter to 0 for the next launch (the next layer, the next graph replay). So
 decode attention is one launch at any length while the split count stays the host's capture-time
 constant. Otherwise kernel 2 merges them (a second launch). The counters ([B * Hkv] int32, zero)
@@ -72,8 +77,8 @@ def attend_paged_keys(
 @triton.jit
 def _merge_partials(PartOut, PartLse, t, h, d, row_valid, mask, num_splits,
                     stride_pot, stride_poh, stride_pos, stride_plt, stride_plh):
-    """Online log-sum-exp merge of all splits' partials of the tile's rows, read from L2 (.cg: other
-    SMs wrote them during this launch, and L1 is not coherent)."""
+    """Online log-sum-exp merge of the first `num_splits` partials of the tile's rows (the request's
+    active splits), read from L2 (.cg: other SMs wrote them during this launch, and L1 is not coherent)."""
     m_run = tl.full(row_valid.shape, -1.0e30, tl.float32)  # finite: an empty split (-inf) weighs 0, never NaN
     l_run = tl.zeros(row_valid.shape, tl.float32)
     acc = tl.zeros(mask.shape, tl.float32)
@@ -92,10 +97,16 @@ def _merge_partials(PartOut, PartLse, t, h, d, row_valid, mask, num_splits,
 
 
 @triton.jit
+def _active_splits(seq_len, num_splits, min_split):
+    """How many of the launch's splits a request of seq_len keys uses: no split shorter than min_split keys."""
+    return tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, min_split)), 1)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, KCache, VCache, PageTable, TableRows, SeqLens,
     Out, PartOut, PartLse,
-    qk_scale, num_splits, SplitCounters,
+    qk_scale, num_splits, min_split, SplitCounters,
     stride_qt, stride_qh,
     stride_ks, stride_kh, stride_vs, stride_vh,
     stride_pt,
@@ -114,8 +125,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(SeqLens + b)
+    active = _active_splits(seq_len, num_splits, min_split)
+    if split >= active:  # this request is too short for so many splits
+        return
     table_row = tl.load(TableRows + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -146,7 +160,7 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     store_mask = row_valid[:, None] & d_valid[None, :]
-    if DIRECT:
+    if DIRECT or active == 1:
         tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=store_mask)
     else:
@@ -158,8 +172,8 @@ def _decode_split_kernel(
             counter = SplitCounters + b * tl.num_programs(1) + kv_head
             tl.debug_barrier()  # every thread's partial stores come before the release below
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:  # the last split of this (request, KV head) to finish merges
-                merged = _merge_partials(PartOut, PartLse, t, h, d, row_valid, store_mask, num_splits,
+            if ticket == active - 1:  # the last split of this (request, KV head) to finish merges
+                merged = _merge_partials(PartOut, PartLse, t, h, d, row_valid, store_mask, active,
                                          stride_pot, stride_poh, stride_pos, stride_plt, stride_plh)
                 tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                          merged.to(Out.dtype.element_ty), mask=store_mask)
@@ -168,18 +182,22 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    PartOut, PartLse, Out, num_splits,
+    PartOut, PartLse, Out, SeqLens, num_splits, min_split,
     stride_pot, stride_poh, stride_pos,
     stride_plt, stride_plh,
     stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
         pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    active = _active_splits(tl.load(SeqLens + t // ROWS), num_splits, min_split)
+    if active == 1:  # the split kernel wrote this row's output itself
+        return
     s = tl.arange(0, BLOCK_S)
-    s_valid = s < num_splits
+    s_valid = s < active
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     lse = tl.load(PartLse + t * stride_plt + h * stride_plh + s, mask=s_valid, other=float("-inf"))
@@ -230,6 +248,7 @@ def decode_attention(
     block_n: int = 64,
     split_counters: torch.Tensor | None = None,
     fused_merge: bool | None = None,
+    min_split_tokens: int | None = None,
 ) -> torch.Tensor:
     """q [B * R, H, D]; caches [pages, page_size, Hkv, D] (contiguous); page_table [rows, pages_per_row]
     int32; table_rows, seq_lens [B] int32 (seq_lens count the R new rows). Returns [B * R, H, D].
@@ -237,7 +256,9 @@ def decode_attention(
     With num_splits > 1, part_out/part_lse (see `alloc_partials`, at least [B * R, H, num_splits])
     may be passed in so that a CUDA graph owns them; otherwise they are allocated here. So may
     split_counters (`alloc_split_counters`, at least [B * Hkv], zero) for the fused merge (fused_merge
-    None: FREETOKEN_DECODE_FUSED_MERGE), which needs no second launch."""
+    None: FREETOKEN_DECODE_FUSED_MERGE), which needs no second launch. num_splits is the most any request
+    uses: each uses at most one split per min_split_tokens of its keys (None: block_n; one split: no
+    partials, no merge)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     batch_size = table_rows.shape[0]
@@ -267,12 +288,13 @@ def decode_attention(
         pl_strides = (part_lse.stride(0), part_lse.stride(1))
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = max(16, triton.next_power_of_2(rows_per_req * group))
+    min_split_tokens = min_split_tokens or block_n
     kf = k_cache.view(-1, num_kv_heads, head_dim)
     vf = v_cache.view(-1, num_kv_heads, head_dim)
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, kf, vf, page_table, table_rows, seq_lens,
         out, part_out, part_lse,
-        scale * LOG2E, num_splits, split_counters,
+        scale * LOG2E, num_splits, min_split_tokens, split_counters,
         q.stride(0), q.stride(1),
         kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
         page_table.stride(0),
@@ -286,10 +308,10 @@ def decode_attention(
     )
     if not direct and not fused:
         _decode_merge_kernel[(num_rows, num_heads)](
-            part_out, part_lse, out, num_splits,
+            part_out, part_lse, out, seq_lens, num_splits, min_split_tokens,
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            ROWS=rows_per_req, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
             num_warps=4, **pdl_launch(q),
         )
     return out
