@@ -57,19 +57,31 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 }
 
 # Decode path: (E, H, I, dtype name) -> {"gate_up": ..., "down": ...}, each with BLOCK_N (output
-# columns per program), BLOCK_K, num_warps, num_stages. To be set by measurement on the H200
-# (benchmarks/bench_moe_gemv.py --shape all prints the entries). The routed gate/up GEMV (top-k fused
+# columns per program), BLOCK_K, num_warps, num_stages; "down" may say how it covers the routes
+# (`down_routes`). To be set by measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints
+# the entries; benchmarks/decode_variants.py measures a tile inside the decode graph, which decides). The routed gate/up GEMV (top-k fused
 # in, `fused_moe_decode_routed`) uses the "gate_up" tile.
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
     # One sweep on the H200 (bf16, T = 1, k = 8, 16 routings cycled through all experts inside a CUDA
     # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.
     (128, 2048, 768, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
                                   "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=2)},
-    # Qwen3.6-35B-A3B (256 experts of 512): `bench_moe_gemv.py --shape all --tokens 1` on the H200,
-    # 2026-12-01 (ninth session): gate_up 12.9 us with the 30B tile -> 10.1 us (3.3 TB/s), down 6.2 -> 6.1 us
-    (256, 2048, 512, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=128, num_warps=8, num_stages=3),
-                                  "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=4)},
+    # Qwen3.6-35B-A3B (256 experts of 512, the shared expert stacked as a 9th route): measured inside the batch-1
+    # decode graph (`benchmarks/decode_variants.py --shape qwen3.6-35b-a3b --prompt 128 --page-size 16`, H200,
+    # 2026-12-02, one run each in one call): the all-routes down tile (8/256/4/4: 16 route lanes for 9 routes,
+    # the tree before) 2.86 ms a step, the route loop 4/512/4/3 2.66 ms (8/256/4/4 as a loop 2.89); gate/up
+    # 4/256/4/2 against 4/128/8/3 (the isolated sweep's tile: 1,152 8-warp programs, more than one wave of the
+    # H200) 2.70 against 2.89 ms. The two new tiles were not measured together.
+    (256, 2048, 512, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
+                                  "down": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3, routes="loop")},
 }
+
+
+def down_routes(tile: Config, top_k: int) -> str:
+    """How the down GEMV covers a token's k routes: "tile" (all routes' rows in one [k, N, K] tile, k padded
+    to a power of two) or "loop" (one route's rows at a time, pipelined). The tile's "routes" entry, else
+    "tile" where k is a power of two (nothing padded; faster on Qwen3-30B-A3B) and "loop" where it is not."""
+    return tile.get("routes") or ("tile" if top_k & (top_k - 1) == 0 else "loop")
 
 
 def dtype_name(dtype: Any) -> str:

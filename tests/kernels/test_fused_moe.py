@@ -193,6 +193,31 @@ def test_fused_moe_decode_matches_reference(case: str, dtype: torch.dtype):
     torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL[dtype])
 
 
+@pytest.mark.parametrize("routes", ["tile", "loop"])
+@pytest.mark.parametrize("case", ["batch1-top8", "batch3-top2-uneven-K", "batch2-top3-uneven-K"])
+def test_fused_moe_decode_down_route_layouts(case: str, routes: str):
+    """The down GEMV's two ways over a token's routes (fused_moe_configs.down_routes): all routes in one tile,
+    or a loop over them in BLOCK_K chunks (here 16 of an uneven I, so a route spans several chunks; k = 3 is
+    padded to 4 lanes by the tile)."""
+    num_tokens, num_experts, top_k, hidden, inter = {**DECODE_CASES, "batch2-top3-uneven-K": (2, 8, 3, 48, 40)}[case]
+    w13, w2 = make_experts(num_experts, hidden, inter, torch.float32)
+    weights, ids = make_routing(num_tokens, num_experts, top_k, renormalize=False)
+    x = random_x(num_tokens, hidden, torch.float32)
+    tile = dict(BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)
+    config = {"gate_up": tile, "down": {**tile, "routes": routes}}
+    torch.testing.assert_close(fused_moe_decode(x, w13, w2, weights, ids, config=config),
+                               fused_moe_ref(x, w13, w2, weights, ids), **TOL[torch.float32])
+
+
+def test_down_routes_rule():
+    from freetoken_core.kernels.fused_moe_configs import DECODE_CONFIGS, down_routes
+
+    assert [down_routes({}, k) for k in (1, 2, 8, 9, 3)] == ["tile", "tile", "tile", "loop", "loop"]
+    assert down_routes({"routes": "tile"}, 9) == "tile"
+    assert down_routes(DECODE_CONFIGS[(256, 2048, 512, "default")]["down"], 9) == "loop"  # Qwen3.6, measured
+    assert down_routes(DECODE_CONFIGS[(128, 2048, 768, "default")]["down"], 8) == "tile"  # Qwen3-30B-A3B
+
+
 def test_fused_moe_decode_all_routes_to_one_expert():
     w13, w2 = make_experts(8, 64, 32, torch.float32)
     weights, ids = fixed_routing([[2], [2], [2]])
