@@ -39,6 +39,7 @@ def test_recorded_launches_pass_the_sm90_frontend(tmp_path):
                     "compiles them in its own tests)")
     lines = _frontend(tmp_path, launches)
     assert lines[-1].get("checked") == len(launches), lines[-1]
+    assert lines[-1].get("pdl_variants", 0) > 0, lines[-1]  # the decode kernels' PDL branches were compiled too
     failures = lines[:-1]
     assert not failures, "\n".join(f"{f['kernel']}: {f['error']}" for f in failures[:10])
     # the launches the recorder could not describe (an argument kind it does not know) were not checked
