@@ -12,7 +12,10 @@ the table's current config and the best one with achieved GB/s of the chosen exp
 Each timing is a CUDA graph of REPS calls cycling through routings that together touch every expert,
 so the weights come from HBM as in a decode step, not from the L2 (8 experts of 6 MB fit in it).
 Every configuration's output is checked against the plain-torch reference before it is timed.
-Self-contained (no model, no other benchmark module); about 30-60 s per shape on an H200.
+Self-contained (no model, no other benchmark module); about 30-60 s per shape on an H200. Isolated timings
+can mislead: inside the decode graph PDL launches each kernel early, so a tile of more programs than one wave
+of the GPU pays there (2026-12-02: Qwen3.6's 8-warp gate/up tile). `decode_variants.py` measures a tile in the
+graph; that decides the table.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from freetoken_core.kernels.fused_moe_ref import topk_softmax_ref
 # name -> (experts E, hidden H, moe_intermediate I, top_k)
 SHAPES = {
     "qwen3-30b-a3b": (128, 2048, 768, 8),
-    "qwen3.6-35b-a3b": (256, 2048, 512, 8),  # routed experts only (the shared expert is a dense MLP)
+    # 256 routed experts + the shared expert stacked after them: 9 routes a token, as the model runs them
+    # (SharedExpertMoeBlock.fuse_shared_expert)
+    "qwen3.6-35b-a3b": (256, 2048, 512, 9),
 }
 REPS = 64  # calls per graph
 QUICK = dict(BLOCK_N=(2, 4, 8, 16), BLOCK_K=(128, 256, 512), num_warps=(4, 8))
@@ -84,6 +89,7 @@ class Problem:
 
     def __init__(self, shape: tuple[int, int, int, int], num_tokens: int) -> None:
         e, h, i, k = shape
+        e = -(-e // k) * k  # a bank of whole k-expert routings (261 for 256 experts at k = 9): the cycle is even
         self.shape, self.num_tokens = shape, num_tokens
         g = torch.Generator().manual_seed(1)
         self.w13 = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(DEVICE, DTYPE)
