@@ -1,4 +1,4 @@
-"""Tile sweep of the MoE decode GEMVs (freetoken_core/kernels/fused_moe.py) on a model's expert shape.
+"""Tile sweep of the MoE decode GEMVs (freetoken_core/kernels/moe_gemv.py) on a model's expert shape.
 
     python benchmarks/bench_moe_gemv.py --shape qwen3-30b-a3b [--tokens 1,8] [--full]
     python benchmarks/bench_moe_gemv.py --shape all
@@ -29,9 +29,7 @@ import torch
 import triton
 
 import bench_gemv  # noqa: E402  (its CUDA-graph timer)
-from freetoken_core.kernels.fused_moe import (
-    moe_gemv_down, moe_gemv_gate_up,
-)
+from freetoken_core.kernels.moe_gemv import moe_gemv_down, moe_gemv_gate_up
 from freetoken_core.kernels.fused_moe_configs import get_decode_config
 from freetoken_core.kernels.fused_moe_ref import topk_softmax_ref
 

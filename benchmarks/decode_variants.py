@@ -40,10 +40,10 @@ def _attn_kw(doc: str, **kw) -> Callable[[], None]:
 
 def _down_after_wait() -> None:
     """The MoE down GEMV waits for the gate/up GEMV before loading anything (as before the early tile)."""
-    from freetoken_core.kernels import fused_moe
+    from freetoken_core.kernels import moe_gemv
 
-    down = fused_moe.moe_gemv_down
-    fused_moe.moe_gemv_down = lambda *a, after_gate_up=False, **k: down(*a, after_gate_up=False, **k)
+    down = moe_gemv.moe_gemv_down
+    moe_gemv.moe_gemv_down = lambda *a, after_gate_up=False, **k: down(*a, after_gate_up=False, **k)
 
 
 def _no_attention() -> None:

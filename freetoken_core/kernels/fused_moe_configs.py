@@ -1,4 +1,5 @@
-"""Launch configurations of the fused-MoE kernels (`fused_moe.py`), per weight shape and batch size.
+"""Launch configurations of the fused-MoE kernels (`fused_moe.py`, `moe_gemv.py`), per weight shape and
+batch size.
 
 Plain Python (no Triton import), like vLLM's per-device JSON files but a dict in the repo. Keys are
 (E, H, I, dtype name) with the dtype name as torch spells it ("bfloat16", "float16", "float32") or
@@ -59,8 +60,7 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 # Decode path: (E, H, I, dtype name) -> {"gate_up": ..., "down": ...}, each with BLOCK_N (output
 # columns per program), BLOCK_K, num_warps, num_stages; "down" may say how it covers the routes
 # (`down_routes`). To be set by measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints
-# the entries; benchmarks/decode_variants.py measures a tile inside the decode graph, which decides). The routed gate/up GEMV (top-k fused
-# in, `fused_moe_decode_routed`) uses the "gate_up" tile.
+# the entries; benchmarks/decode_variants.py measures a tile inside the decode graph, which decides).
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
     # One sweep on the H200 (bf16, T = 1, k = 8, 16 routings cycled through all experts inside a CUDA
     # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.

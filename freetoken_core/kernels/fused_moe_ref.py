@@ -1,5 +1,5 @@
 """Plain-torch mixture-of-experts: the CPU path of the MoE layer and the reference of every kernel
-in `fused_moe.py` (no Triton import: CPU users never load it).
+in `fused_moe.py` and `moe_gemv.py` (no Triton import: CPU users never load it).
 
 Layout conventions, shared with the kernels:
 - `w13` [E, 2I, H]: each expert's gate and up projections stacked along the rows, gate first
