@@ -93,19 +93,31 @@ def weight_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
         dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
         shapes["gdn in_proj"] = (2 * hk * dk + 2 * hv * dv + 2 * hv, h)
         shapes["gdn out_proj"] = (h, hv * dv)
+    shapes["lm_head"] = (cfg["vocab_size"], h)
     return shapes
+
+
+def selected(shapes: dict, only: str) -> dict:
+    """The weights named in --only (comma-separated), or all of them."""
+    if not only:
+        return shapes
+    names = only.split(",")
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise SystemExit(f"unknown weight(s) {unknown}; this shape has {sorted(shapes)}")
+    return {n: shapes[n] for n in names}
 
 
 FUSED_CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
                  for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3))]
 
 
-def bench_fused(shape: str, bw: float, sweep: bool) -> None:
+def bench_fused(shape: str, bw: float, sweep: bool, only: str = "") -> None:
     """RMSNorm (+ residual add) [+ SiLU-and-mul] fused into the GEMV (`norm_gemv`) against the
     separate kernels it replaces, on the projections that follow a norm (qkv, gate_up)."""
     print("| weight | N x K | norm + gemv (+ silu) us | % bw | fused default us | % bw | best fused us | % bw | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
-    shapes = weight_shapes(SHAPES[shape])
+    shapes = selected(weight_shapes(SHAPES[shape]), only)
     for name, gated in (("qkv", False), ("gate_up", True), ("shared gate_up", True), ("gdn in_proj", False)):
         if name not in shapes:
             continue
@@ -155,6 +167,8 @@ def bench_rows(shape: str, m: int, bw: float, sweep: bool) -> None:
     print("|---|---|---|---|---|---|---|---|")
     totals = {i: 0.0 for i in range(len(ROWS_CONFIGS))}
     for name, (n, k) in weight_shapes(SHAPES[shape]).items():
+        if name == "lm_head":  # verify rows' logits stay on cuBLAS (ParallelLMHead takes the GEMV at one row)
+            continue
         copies = max(2, COPIES_BYTES // (n * k * 2))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -187,16 +201,17 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="only cuBLAS and the default configuration")
     ap.add_argument("--fused", action="store_true", help="norm_gemv (RMSNorm fused in) against the separate kernels")
     ap.add_argument("--rows", type=int, default=0, help="time rows_gemm on this many rows instead")
+    ap.add_argument("--only", default="", help="comma-separated weight names (as the table prints them)")
     args = ap.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"# {torch.cuda.get_device_name()}, copy bw {bw / 1e12:.2f} TB/s, {args.shape}, one row, bf16")
     if args.fused:
-        return bench_fused(args.shape, bw, not args.no_sweep)
+        return bench_fused(args.shape, bw, not args.no_sweep, args.only)
     if args.rows:
         return bench_rows(args.shape, args.rows, bw, not args.no_sweep)
     print("| weight | N x K | cuBLAS us | % bw | gemv default us | % bw | best of sweep us | % bw | best config |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name, (n, k) in weight_shapes(SHAPES[args.shape]).items():
+    for name, (n, k) in selected(weight_shapes(SHAPES[args.shape]), args.only).items():
         copies = max(2, COPIES_BYTES // (n * k * 2))
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)

@@ -103,7 +103,31 @@ def _decode_tile(key: tuple, part: str, **tile) -> Callable[[], None]:
     return patch
 
 
+def _lm_cublas() -> None:
+    """The LM head's one-row logits on cuBLAS (F.linear), as before the LM head took the Triton GEMV."""
+    from freetoken_core.layers import embedding
+
+    embedding._one_row_gemv = lambda x, weight, min_elements: False
+
+
 _NG, _G = "freetoken_core.kernels.norm_gemv", "freetoken_core.kernels.gemv"
+_TILE_TABLES = {"gemv": (_G, "GEMV_CONFIGS"), "norm": (_NG, "NORM_GEMV_CONFIGS")}
+
+
+def tile_variant(spec: str) -> Callable[[], None] | None:
+    """`tile:gemv:NxK:bn/bk/warps/stages` or `tile:norm:...`: any launch tile of the one-row GEMV tables
+    (a sweep's best, say) without a named entry here. None when spec is not of that form."""
+    parts = spec.split(":")
+    if len(parts) != 4 or parts[0] != "tile" or parts[1] not in _TILE_TABLES:
+        return None
+    try:
+        n, k = (int(v) for v in parts[2].split("x"))
+        bn, bk, w, st = (int(v) for v in parts[3].split("/"))
+    except ValueError:
+        return None
+    return _tile(*_TILE_TABLES[parts[1]], (n, k), block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+
+
 VARIANTS: dict[str, Callable[[], None]] = {
     "base": lambda: None,
     "splits_all": _attn_kw("Every split of the decode launch runs (no per-request split count).", min_split_tokens=1),
@@ -112,6 +136,7 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "attn_bn32": _attn_kw("Decode attention blocks of 32 keys.", block_n=32),
     "attn_bn64": _attn_kw("Decode attention blocks of 64 keys.", block_n=64),
     "down_after_wait": _down_after_wait,
+    "lm_cublas": _lm_cublas,
     "no_gdn_core": _no_gdn_core,
     "no_attention": _no_attention,
     "no_experts": _no_experts,
@@ -168,7 +193,7 @@ def child(args) -> None:
 
     for name in args.variant.split("+"):
         if not name.startswith(("env:", "tree:")):
-            VARIANTS[name]()
+            (VARIANTS.get(name) or tile_variant(name))()
     with tempfile.TemporaryDirectory() as tmp:
         d = write_shape(args.shape, Path(tmp))
         sched = Scheduler(EngineConfig(
@@ -212,7 +237,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--variants", default="base",
                     help="comma-separated; a+b applies both; env:FREETOKEN_X=1 sets a kernel switch for that run; "
-                         "tree:DIR runs the freetoken_core package in DIR")
+                         "tree:DIR runs the freetoken_core package in DIR; tile:gemv|norm:NxK:bn/bk/warps/stages "
+                         "sets a one-row GEMV tile")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--out-tokens", type=int, default=256)
@@ -233,7 +259,8 @@ def main() -> None:
     names = args.variants.split(",")
     for n in names:
         unknown = [p for p in n.split("+")
-                   if p not in VARIANTS and not (p.startswith("env:") and "=" in p) and not p.startswith("tree:")]
+                   if p not in VARIANTS and not (p.startswith("env:") and "=" in p) and not p.startswith("tree:")
+                   and tile_variant(p) is None]
         if unknown:
             raise SystemExit(f"unknown variant(s) {unknown}; --list shows them")
     runs: dict[str, list[dict]] = {n: [] for n in names}

@@ -152,13 +152,18 @@ def _rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 # weight of few output rows fills the GPU's SMs only once. From `bench_gemv.py --shape qwen3-30b-a3b`
 # on the H200, 2026-12-01: o 2048 x 4096 6.2 -> 5.4 us; the MoE routers (tenth session, same sweeps)
 # 128 x 2048 4.9 -> 1.0 us, 256 x 2048 4.9 -> 1.1 us, with the shared gate stacked 257 x 2048 5.0 -> 1.2 us
-# (2 rows a program, the whole K in one step). Shapes not listed keep the defaults their own sweeps chose.
+# (2 rows a program, the whole K in one step). The LM heads (`bench_gemv.py --only lm_head`, fourteenth
+# session): Qwen3.6's 248320 x 2048 228.5 -> 223.6 us (cuBLAS 244.8), Qwen3-30B's 151936 x 2048 142.1 ->
+# 137.6 us (cuBLAS 150.5). Shapes not listed keep the defaults their own sweeps chose.
 _ROUTER_TILE = dict(block_n=2, block_k=2048, num_warps=8, num_stages=2)
+_LM_HEAD_TILE = dict(block_n=4, block_k=1024, num_warps=4, num_stages=2)
 GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (2048, 4096): dict(block_n=4, block_k=1024, num_warps=8, num_stages=4),
     (128, 2048): _ROUTER_TILE,
     (256, 2048): _ROUTER_TILE,
     (257, 2048): _ROUTER_TILE,
+    (248320, 2048): _LM_HEAD_TILE,
+    (151936, 2048): _LM_HEAD_TILE,
 }
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import all_gather_last_dim, all_reduce, tp_info
-from .linear import copy_checked, pack_cpu_weight, packed_linear
+from .linear import GEMV_MIN_ELEMENTS, copy_checked, pack_cpu_weight, packed_linear
 
 
 def _vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -44,6 +44,12 @@ class VocabEmbedding(nn.Module):
         _load_vocab_rows(param, loaded, self.vocab_size)
 
 
+def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> bool:
+    from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
+
+    return triton_gemv.use_gemv(x, weight, min_elements)
+
+
 class ParallelLMHead(nn.Module):
     """Hidden rows -> vocabulary logits. With `tied` the embedding's weight is shared, not copied."""
 
@@ -53,6 +59,10 @@ class ParallelLMHead(nn.Module):
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.tied = tied is not None
         self.packed: torch.Tensor | None = None  # CPU: oneDNN-prepacked weight (pack_for_cpu)
+        # one-row CUDA logits go to the Triton GEMV, as `Linear`'s do (and the engine lowers this bar the
+        # same way, use_gemv_for_all_sizes): cuBLAS would break the decode step's PDL chain right before
+        # the step's largest weight (Qwen3.6's 248k x 2048 head is 1 GB of a batch-1 step's ~3.6 GB)
+        self.gemv_min_elements = GEMV_MIN_ELEMENTS
         if tied is not None:
             self.weight = tied.weight
         else:
@@ -64,6 +74,10 @@ class ParallelLMHead(nn.Module):
         does); only the result is widened, so samplers and logprobs work in fp32."""
         if self.packed is not None and x.device.type == "cpu":
             logits = packed_linear(x, self.packed, None)
+        elif x.is_cuda and _one_row_gemv(x, self.weight, self.gemv_min_elements):
+            from ..kernels.gemv import gemv
+
+            logits = gemv(x, self.weight)
         else:
             logits = F.linear(x, self.weight)
         return all_gather_last_dim(logits).float()

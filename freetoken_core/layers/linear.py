@@ -218,10 +218,15 @@ def use_gemv_for_all_sizes(model: nn.Module, rows: bool = False) -> int:
     step scores k + 1 rows per request, and with cuBLAS there its PDL chain broke the same way
     (SmolLM2, k = 8: 0.97 ms per pipelined verify step with cuBLAS; see RESULTS.md for the kernel's
     number). Returns the number of layers changed."""
+    from .embedding import ParallelLMHead  # embedding imports this module
+
     n = 0
     for m in model.modules():
         if isinstance(m, Linear):
             m.gemv_min_elements = 0
             m.rows_gemm = rows
+            n += 1
+        elif isinstance(m, ParallelLMHead):  # one-row logits only (2..16 rows stay on cuBLAS)
+            m.gemv_min_elements = 0
             n += 1
     return n

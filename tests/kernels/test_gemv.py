@@ -67,6 +67,36 @@ def test_use_gemv_for_all_sizes_lowers_every_linear_layer():
     assert all(m.rows_gemm for m in model[:3])
 
 
+def test_use_gemv_for_all_sizes_lowers_the_lm_head_too():
+    from freetoken_core.layers.embedding import ParallelLMHead, VocabEmbedding
+
+    emb = VocabEmbedding(64, 8)
+    model = torch.nn.ModuleList([emb, ParallelLMHead(64, 8), ParallelLMHead(64, 8, tied=emb), Linear(8, 8)])
+    assert model[1].gemv_min_elements == GEMV_MIN_ELEMENTS
+    assert use_gemv_for_all_sizes(model) == 3  # two heads and the Linear; the embedding has no GEMV
+    assert model[1].gemv_min_elements == 0 and model[2].gemv_min_elements == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_one_row_logits_take_the_gemv(tied, monkeypatch):
+    from freetoken_core.layers.embedding import ParallelLMHead, VocabEmbedding
+
+    emb = VocabEmbedding(1000, 576, dtype=torch.bfloat16).cuda()
+    head = ParallelLMHead(1000, 576, dtype=torch.bfloat16, tied=emb if tied else None).cuda()
+    head.weight.data.normal_(0, 0.02)
+    calls = []
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **k: calls.append(1) or gemv(*a, **k))
+    x = torch.randn(1, 576, device="cuda", dtype=torch.bfloat16)
+    assert head.logits(x).dtype == torch.float32 and not calls  # 576k elements: under the default bar
+    use_gemv_for_all_sizes(head)
+    got = head.logits(x)
+    assert calls and got.dtype == torch.float32 and got.shape == (1, 1000)
+    torch.testing.assert_close(got, gemv_reference(x, head.weight).float(), atol=1e-2, rtol=1e-2)
+    head.logits(torch.randn(3, 576, device="cuda", dtype=torch.bfloat16))  # rows > 1: cuBLAS
+    assert len(calls) == 1
+
+
 # --- a few rows (speculative verify steps) -------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
