@@ -40,18 +40,22 @@ class KernelEnv:
     # resident experts). Qwen3.6 batch 1 on the H200: 327 -> 364 tok/s (benchmarks/RESULTS.md, tenth session).
     fused_shared_expert: bool = True
     fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
-    # Batch-1 decode launches folded into their neighbours. Off: on the H200 all five together were no faster
-    # (30B bs1 404-405 against 408-409 tok/s, Qwen3.6 345 against 351; benchmarks/RESULTS.md, twelfth session):
-    # FREETOKEN_ROUTER_TOPK_FUSED: the MoE router's top-k in the router GEMV's launch (its last program ranks)
+    # Batch-1 decode launches folded into their neighbours. Measured one at a time on the H200 (batch-1 decode,
+    # two rounds each, benchmarks/RESULTS.md, fourteenth session), three are on: Qwen3.6 2.507 ms a step, the o_proj
+    # gate 2.469, the K/V store 2.499, the out_proj norm alone 2.505, the three together 2.449; Qwen3-30B 2.409 ->
+    # 2.381 with the K/V store. Two stay off, each measured slower on its own (thirteenth session):
+    # FREETOKEN_ROUTER_TOPK_FUSED: the MoE router's top-k in the router GEMV's launch (its last program ranks;
+    # 30B 2.617 against 2.567 ms)
     router_topk_fused: bool = False
-    # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel
+    # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel (Qwen3.6 2.937 against
+    # 2.875 ms)
     gdn_fused_conv: bool = False
     # FREETOKEN_GDN_OUT_NORM_GEMV: the GDN gated output norm inside the out_proj GEMV (one row)
-    gdn_out_norm_gemv: bool = False
+    gdn_out_norm_gemv: bool = True
     # FREETOKEN_ROTARY_STORE_KV: the decode K/V cache store inside the q/k norm + rotary kernel
-    rotary_store_kv: bool = False
+    rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
-    attn_gate_gemv: bool = False
+    attn_gate_gemv: bool = True
 
     @staticmethod
     def variable(field_name: str) -> str:
