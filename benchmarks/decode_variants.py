@@ -103,6 +103,15 @@ def _decode_tile(key: tuple, part: str, **tile) -> Callable[[], None]:
     return patch
 
 
+def _gdn_small_batch_tile(bv: int, warps: int, stages: int) -> Callable[[], None]:
+    def patch() -> None:
+        from freetoken_core.kernels import gdn
+
+        gdn.GDN_UPDATE_CONFIGS = ((255, bv, warps, stages),) + gdn.GDN_UPDATE_CONFIGS[1:]
+    patch.__doc__ = f"The GDN decode recurrence up to batch 7 with BV {bv}, {warps} warp(s), {stages} stages."
+    return patch
+
+
 def _lm_cublas() -> None:
     """The LM head's one-row logits on cuBLAS (F.linear), as before the LM head took the Triton GEMV."""
     from freetoken_core.layers import embedding
@@ -137,6 +146,9 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "attn_bn64": _attn_kw("Decode attention blocks of 64 keys.", block_n=64),
     "down_after_wait": _down_after_wait,
     "lm_cublas": _lm_cublas,
+    "gdn_bv8": _gdn_small_batch_tile(8, 1, 3),
+    "gdn_bv32": _gdn_small_batch_tile(32, 1, 1),
+    "gdn_bv16s1": _gdn_small_batch_tile(16, 1, 1),
     "no_gdn_core": _no_gdn_core,
     "no_attention": _no_attention,
     "no_experts": _no_experts,
