@@ -36,7 +36,8 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
         if (not gated and triton_gemv.use_gemv(x, linear.weight, linear.gemv_min_elements)
                 and norm.weight.dtype == x.dtype and (residual is None or residual.stride(-1) == 1)):
             return triton_norm_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
-                                         zero_centered=type(norm) is ZeroCenteredRMSNorm)
+                                              zero_centered=type(norm) is ZeroCenteredRMSNorm,
+                                              prefetch=linear.l2_prefetch)
     if residual is None:
         residual, h = x, norm(x)
     else:

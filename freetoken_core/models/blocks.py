@@ -65,6 +65,11 @@ class Attention(nn.Module):
         """The projection the decoder layer runs fused with its input RMSNorm."""
         return self.qkv_proj
 
+    @property
+    def out_proj(self) -> Linear:
+        """The block's last projection (the gated-delta-net mixer's has this name too)."""
+        return self.o_proj
+
     def cache_spec(self) -> AttentionCacheSpec:
         return AttentionCacheSpec(self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                   self.head_dim ** -0.5)
@@ -203,6 +208,22 @@ class DecoderLayer(nn.Module):
 
     def cache_spec(self) -> LayerCacheSpec:
         return self.mixer.cache_spec()
+
+
+def plan_l2_prefetch(model: nn.Module) -> int:
+    """Each decoder layer's fused input norm + projection prefetches its mixer's output projection weight
+    into L2 (FREETOKEN_L2_PREFETCH decides at launch whether it does; kernels/l2_prefetch.py), for the
+    attention or gated-delta-net kernels in between, which leave HBM idle. Returns the layers planned."""
+    n = 0
+    for layer in model.modules():
+        if not isinstance(layer, DecoderLayer):
+            continue
+        mixer = layer.mixer
+        out = getattr(mixer, "out_proj", None)
+        if getattr(mixer, "fuses_input_norm", False) and isinstance(out, Linear) and isinstance(mixer.in_proj, Linear):
+            mixer.in_proj.l2_prefetch = out.weight
+            n += 1
+    return n
 
 
 class DecoderModel(nn.Module):

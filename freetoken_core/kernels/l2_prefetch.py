@@ -1,0 +1,75 @@
+"""L2 prefetch of the next weight from the end of a batch-1 GEMV (FREETOKEN_L2_PREFETCH, Hopper).
+
+Between a mixer's input projection and its output projection a batch-1 decode step runs kernels that
+barely touch memory: attention's K/V store, split and merge over a few hundred keys (7.4 us a layer on
+Qwen3-30B-A3B), the gated-delta-net conv and recurrence (8.2 us on Qwen3.6). HBM idles there, and then
+the output projection streams its 16.8 MB from HBM. Here each program of the input projection's GEMV,
+once its own rows are done, issues `cp.async.bulk.prefetch.L2` for its share of the output
+projection's weight: one instruction per program, fire and forget (the copy engine fills L2 while the
+latency-bound kernels run; nothing waits on it). The output projection then reads L2.
+
+A prefetch changes no value anywhere, only where the output projection's bytes come from, so the
+GEMV's results are bit-identical with and without it. Hopper's bulk prefetch needs sm_90 and 16-byte
+aligned pieces; the interpreter has no inline PTX, so on the CPU the kernels never take this branch.
+Off until measured on the GPU (`benchmarks/decode_variants.py` with env:FREETOKEN_L2_PREFETCH=1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..env import kernel_env, triton_interpreted
+
+ALIGN = 16  # bytes: the bulk prefetch's address and size granularity
+# At most this share of the L2 is asked for at once: what the next kernels read (K/V, states, activations)
+# must still fit beside it.
+MAX_L2_SHARE = 0.5
+
+
+@functools.cache
+def _l2_bytes(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    if props.major < 9:  # cp.async.bulk.prefetch.L2 is sm_90+
+        return 0
+    return int(getattr(props, "L2_cache_size", 0))
+
+
+def prefetch_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The bytes a GEMV on `x` should prefetch for `weight` (a uint8 view), or None where it should not:
+    the switch off, no weight, CPU or the interpreter, before Hopper, a weight not in one aligned block
+    on x's device, or one larger than MAX_L2_SHARE of the L2."""
+    if weight is None or not kernel_env().l2_prefetch or not x.is_cuda or triton_interpreted():
+        return None
+    if weight.device != x.device or not weight.is_contiguous() or weight.data_ptr() % ALIGN:
+        return None
+    l2 = _l2_bytes(x.device.index or 0)
+    nbytes = weight.numel() * weight.element_size()
+    if nbytes < ALIGN or nbytes > MAX_L2_SHARE * l2:
+        return None
+    return weight.view(-1).view(torch.uint8)
+
+
+def launch_args(target: torch.Tensor | None, fallback: torch.Tensor) -> dict:
+    """Kernel arguments of a GEMV taking `l2_prefetch_share`: pf_ptr, pf_bytes and the PREFETCH constexpr."""
+    if target is None:
+        return dict(pf_ptr=fallback, pf_bytes=0, PREFETCH=False)
+    return dict(pf_ptr=target, pf_bytes=target.numel() // ALIGN * ALIGN, PREFETCH=True)
+
+
+@triton.jit
+def l2_prefetch_share(pf_ptr, pf_bytes, pid, num_programs, LANES: tl.constexpr):
+    """Program `pid` of `num_programs` prefetches its share of pf_ptr[0:pf_bytes] (uint8) into L2: one bulk
+    prefetch, issued by lane 0 of a LANES-wide vector (one element a thread, so no thread repeats it)."""
+    share = (pf_bytes // num_programs + 15) // 16 * 16
+    start = pid * share
+    size = tl.minimum(share, pf_bytes - start)
+    lanes = tl.arange(0, LANES)
+    sizes = tl.where((lanes == 0) & (size > 0), size, 0).to(tl.int32)
+    ptrs = pf_ptr + start.to(tl.int64) + lanes * 0
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)

@@ -1,0 +1,170 @@
+"""The L2 prefetch from the batch-1 norm + GEMV (kernels/l2_prefetch.py, FREETOKEN_L2_PREFETCH).
+
+CPU: when a launch prefetches (never on the CPU or with the switch off), the kernel arguments, which layers
+prefetch what (`plan_l2_prefetch`), and the whole compile of the prefetching helper for sm_90 (Triton -> PTX
+-> ptxas, no GPU needed). The norm + GEMV kernel's PREFETCH branch also passes the sm_90 frontend with every
+recorded launch (tests/sm90_frontend.py). GPU (skipped without CUDA): bit-identical GEMV results and greedy
+output with the prefetch on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_core.env import KernelEnv, kernel_env
+from freetoken_core.kernels import l2_prefetch
+from freetoken_core.models.blocks import Attention, DecoderLayer, plan_l2_prefetch
+from freetoken_core.models.loader import load_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def _prefetch(monkeypatch, on: bool):
+    """FREETOKEN_L2_PREFETCH set for the block, the default restored after."""
+    try:
+        with monkeypatch.context() as m:
+            m.setenv(KernelEnv.variable("l2_prefetch"), "1" if on else "0")
+            kernel_env.cache_clear()
+            yield
+    finally:
+        kernel_env.cache_clear()
+
+
+def test_no_prefetch_on_the_cpu_or_without_a_weight(monkeypatch):
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with _prefetch(monkeypatch, True):
+        assert kernel_env().l2_prefetch
+        assert l2_prefetch.prefetch_target(w, x) is None  # CPU (and the interpreter has no inline PTX)
+        assert l2_prefetch.prefetch_target(None, x) is None
+
+
+@needs_cuda
+def test_prefetch_target_on_cuda(monkeypatch):
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
+    w = torch.zeros(256, 64, dtype=torch.bfloat16, device="cuda")
+    with _prefetch(monkeypatch, False):
+        assert l2_prefetch.prefetch_target(w, x) is None
+    with _prefetch(monkeypatch, True):
+        t = l2_prefetch.prefetch_target(w, x)
+        if torch.cuda.get_device_capability()[0] < 9:
+            assert t is None
+            return
+        assert t is not None and t.dtype == torch.uint8 and t.numel() == w.numel() * 2
+        assert t.data_ptr() == w.data_ptr()
+        assert l2_prefetch.prefetch_target(w.t(), x) is None  # not one block of rows
+        big = torch.cuda.get_device_properties(0).L2_cache_size  # bytes: bf16 elements of twice the L2
+        assert l2_prefetch.prefetch_target(torch.empty(big, dtype=torch.bfloat16, device="cuda"), x) is None
+
+
+def test_launch_args():
+    y = torch.zeros(1)
+    off = l2_prefetch.launch_args(None, y)
+    assert off["pf_ptr"] is y and off["pf_bytes"] == 0 and off["PREFETCH"] is False
+    t = torch.zeros(100, dtype=torch.uint8)
+    on = l2_prefetch.launch_args(t, y)
+    assert on["pf_ptr"] is t and on["pf_bytes"] == 96 and on["PREFETCH"] is True  # whole 16-byte pieces only
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5_moe"])
+def test_each_layer_prefetches_its_own_output_projection(tmp_path, kind):
+    if kind == "llama":
+        from tests.conftest import make_tiny_model
+
+        path = make_tiny_model(tmp_path)
+    else:
+        from tests.models.hybrid_checkpoints import make_tiny_hybrid
+
+        path = make_tiny_hybrid(tmp_path, kind)
+    model = load_model(str(path), torch.float32, "cpu", progress=False)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    assert all(layer.mixer.in_proj.l2_prefetch is None for layer in layers)
+    assert plan_l2_prefetch(model) == len(layers) > 0
+    for layer in layers:
+        assert layer.mixer.in_proj.l2_prefetch is layer.mixer.out_proj.weight
+    kinds = {type(layer.mixer) for layer in layers}
+    assert Attention in kinds and (kind == "llama" or len(kinds) == 2)  # the hybrid's GDN layers too
+
+
+_COMPILE = textwrap.dedent("""
+    import os
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+    from freetoken_core.kernels.norm_gemv import _norm_gemv_kernel
+
+    ptrs = ["x_ptr", "r_ptr", "g_ptr", "w_ptr", "b_ptr", "y_ptr", "h_ptr", "n_ptr", "route_w_ptr", "route_i_ptr",
+            "count_ptr"]
+    signature = {**{p: "*bf16" for p in ptrs}, "N": "i32", "K": "i32", "stride_wn": "i32", "up_offset": "i32",
+                 "eps": "fp32", "pf_ptr": "*u8", "pf_bytes": "i32"}
+    constexprs = dict(NORM=True, HAS_RESIDUAL=True, HAS_BIAS=False, GATED=False, BLOCK_N=8, BLOCK_K=512, EVEN_K=True,
+                      USE_PDL=True, ZERO_CENTERED=False, WRITE_NORMED=False, TOP_K=0, RENORMALIZE=False, SHARED=False,
+                      BLOCK_E=1, BLOCK_TK=1, PREFETCH=True, PF_LANES=128)
+    signature.update({name: "constexpr" for name in constexprs})
+    k = triton.compile(ASTSource(_norm_gemv_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=3))
+    print("PTX", "cp.async.bulk.prefetch.L2.global" in k.asm["ptx"], "CUBIN", len(k.asm["cubin"]))
+""")
+
+
+def test_the_prefetching_norm_gemv_compiles_to_an_sm90_cubin(tmp_path):
+    """The whole compile (frontend, PTX, Triton's own ptxas) of the norm + GEMV with PDL and the prefetch on,
+    for the H200, on a machine without a GPU: ptxas takes the helper's inline PTX."""
+    script = tmp_path / "compile_probe.py"  # a file: triton.jit needs the kernels' source
+    script.write_text(_COMPILE)
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0 and "ptxas" in out.stderr.lower() and "not found" in out.stderr.lower():
+        pytest.skip("this Triton install has no ptxas")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("PTX")][-1].split()
+    assert line[1] == "True" and int(line[3]) > 0, line
+
+
+@needs_cuda
+def test_norm_gemv_is_bit_identical_with_the_prefetch(monkeypatch):
+    from freetoken_core.kernels.norm_gemv import norm_gemv
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    r = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    nw = torch.rand(2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(5120, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    nxt = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    want = norm_gemv(x, r, nw, 1e-6, w)
+    with _prefetch(monkeypatch, True):
+        got = norm_gemv(x, r, nw, 1e-6, w, prefetch=nxt)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = norm_gemv(x, r, nw, 1e-6, w, prefetch=nxt)
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b in ((got, want), (captured, want)):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@needs_cuda
+def test_engine_greedy_is_unchanged_with_the_prefetch(tmp_path, monkeypatch):
+    from freetoken_core import LLM, SamplingParams
+    from tests.models.hybrid_checkpoints import MAX_NEW, PROMPTS, make_tiny_hybrid
+
+    path = make_tiny_hybrid(tmp_path, "qwen3_5_moe")
+    outs = {}
+    for on in (False, True):
+        with _prefetch(monkeypatch, on):
+            llm = LLM(path, dtype="bfloat16", device="cuda", page_size=4, max_running_req=1, num_pages=256)
+            outs[on] = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+            del llm
+    assert outs[True] == outs[False]
