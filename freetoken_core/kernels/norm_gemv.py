@@ -162,12 +162,13 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
 
 
 def norm_gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     weight: torch.Tensor, zero_centered: bool = False,
+                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One row: (W RMSNorm(h), RMSNorm(h), h), h = x + residual, in one launch: the RMSNorm kernel and the
     GEMV of a projection whose input row other layers need as well (the MoE router: the experts take the
-    normed row, the next layer the residual)."""
+    normed row, the next layer the residual). prefetch: as `norm_gemv`'s."""
     y, h, normed = _launch_norm_gemv(x, residual, norm_weight, eps, weight, None, False, True, None, None, None,
-                                     None, zero_centered)
+                                     None, zero_centered, prefetch=prefetch)
     assert normed is not None
     return y, normed, h
 

@@ -163,6 +163,11 @@ class SparseMoeBlock(nn.Module):
         logits, h, residual = norm_linear_normed(norm, self.gate, x, residual)
         return self.from_router_logits(h, logits), residual
 
+    def weight_read_whatever_the_routing(self) -> torch.Tensor | None:
+        """A weight this block reads at every step, whichever experts the router picks (a shared expert's): the
+        router's launch may pull it into L2 while the top-k runs (models/blocks.py plan_l2_prefetch). None here."""
+        return None
+
     def from_router_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(logits, self.top_k, self.renormalize, self.routes_shared_expert)
         return self.from_routes(x, weights, ids)

@@ -55,7 +55,8 @@ def norm_linear_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: t
         from ..kernels import norm_gemv as triton_norm_gemv
 
         y, h, residual = triton_norm_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
-                                                      zero_centered=type(norm) is ZeroCenteredRMSNorm)
+                                                           zero_centered=type(norm) is ZeroCenteredRMSNorm,
+                                                           prefetch=linear.l2_prefetch)
         return y, h, residual
     h, residual = norm(x, residual)
     return linear(h), h, residual

@@ -211,9 +211,13 @@ class DecoderLayer(nn.Module):
 
 
 def plan_l2_prefetch(model: nn.Module) -> int:
-    """Each decoder layer's fused input norm + projection prefetches its mixer's output projection weight
-    into L2 (FREETOKEN_L2_PREFETCH decides at launch whether it does; kernels/l2_prefetch.py), for the
-    attention or gated-delta-net kernels in between, which leave HBM idle. Returns the layers planned."""
+    """Which batch-1 norm + GEMV launch pulls which weight into L2 for a later kernel (FREETOKEN_L2_PREFETCH
+    decides at launch whether it does; kernels/l2_prefetch.py), over kernels that leave HBM idle:
+    - each layer's fused input norm + projection: its mixer's output projection (read after the attention or
+      gated-delta-net kernels);
+    - a MoE router with its norm: a weight its block reads whatever the routing (a shared expert's gate/up,
+      read after the top-k).
+    Returns the number of launches planned."""
     n = 0
     for layer in model.modules():
         if not isinstance(layer, DecoderLayer):
@@ -222,6 +226,11 @@ def plan_l2_prefetch(model: nn.Module) -> int:
         out = getattr(mixer, "out_proj", None)
         if getattr(mixer, "fuses_input_norm", False) and isinstance(out, Linear) and isinstance(mixer.in_proj, Linear):
             mixer.in_proj.l2_prefetch = out.weight
+            n += 1
+        read_anyway = getattr(layer.mlp, "weight_read_whatever_the_routing", None)
+        gate = getattr(layer.mlp, "gate", None)
+        if read_anyway is not None and isinstance(gate, Linear) and (w := read_anyway()) is not None:
+            gate.l2_prefetch = w
             n += 1
     return n
 

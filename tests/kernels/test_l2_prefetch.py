@@ -89,11 +89,16 @@ def test_each_layer_prefetches_its_own_output_projection(tmp_path, kind):
     model = load_model(str(path), torch.float32, "cpu", progress=False)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     assert all(layer.mixer.in_proj.l2_prefetch is None for layer in layers)
-    assert plan_l2_prefetch(model) == len(layers) > 0
+    shared = [layer.mlp for layer in layers if hasattr(layer.mlp, "shared_expert")]
+    assert plan_l2_prefetch(model) == len(layers) + len(shared) > 0
     for layer in layers:
         assert layer.mixer.in_proj.l2_prefetch is layer.mixer.out_proj.weight
     kinds = {type(layer.mixer) for layer in layers}
     assert Attention in kinds and (kind == "llama" or len(kinds) == 2)  # the hybrid's GDN layers too
+    # a shared expert's gate/up is read at every step: its router's launch prefetches it
+    assert (kind == "llama") == (not shared)
+    for block in shared:
+        assert block.gate.l2_prefetch is block.shared_expert.gate_up_proj.weight
 
 
 _COMPILE = textwrap.dedent("""
