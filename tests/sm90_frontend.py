@@ -88,6 +88,8 @@ def with_pdl(launches: list[dict]) -> list[dict]:
     for rec in launches:
         if rec["args"].get("USE_PDL") == ["const", False]:
             on = {name: ["const", True] for name in GPU_ONLY if rec["args"].get(name) == ["const", False]}
+            if rec["args"].get("W_EVICT") == ["const", ""]:  # the expert loads' L2 hint (FREETOKEN_L2_PREFETCH)
+                on["W_EVICT"] = ["const", "evict_first"]
             extra.append({**rec, "args": {**rec["args"], **on}})
     return launches + extra
 

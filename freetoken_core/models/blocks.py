@@ -215,13 +215,14 @@ def plan_l2_prefetch(model: nn.Module) -> int:
     decides at launch whether it does; kernels/l2_prefetch.py), over kernels that leave HBM idle:
     - each layer's fused input norm + projection: its mixer's output projection (read after the attention or
       gated-delta-net kernels);
-    - a MoE router with its norm: a weight its block reads whatever the routing (a shared expert's gate/up,
-      read after the top-k).
+    - a MoE router with its norm, over the top-k: a weight its block reads whatever the routing (a shared
+      expert's gate/up), else the next layer's input projection (read after the experts, whose loads then
+      carry an evict-first hint so that they do not push it out: kernels/moe_gemv.py).
+    Weights larger than the launch may ask for (l2_prefetch.MAX_L2_SHARE) are skipped at launch.
     Returns the number of launches planned."""
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     n = 0
-    for layer in model.modules():
-        if not isinstance(layer, DecoderLayer):
-            continue
+    for i, layer in enumerate(layers):
         mixer = layer.mixer
         out = getattr(mixer, "out_proj", None)
         if getattr(mixer, "fuses_input_norm", False) and isinstance(out, Linear) and isinstance(mixer.in_proj, Linear):
@@ -229,8 +230,13 @@ def plan_l2_prefetch(model: nn.Module) -> int:
             n += 1
         read_anyway = getattr(layer.mlp, "weight_read_whatever_the_routing", None)
         gate = getattr(layer.mlp, "gate", None)
-        if read_anyway is not None and isinstance(gate, Linear) and (w := read_anyway()) is not None:
-            gate.l2_prefetch = w
+        if read_anyway is None or not isinstance(gate, Linear):
+            continue
+        target = read_anyway()
+        if target is None and i + 1 < len(layers) and getattr(layers[i + 1].mixer, "fuses_input_norm", False):
+            target = layers[i + 1].mixer.in_proj.weight
+        if target is not None:
+            gate.l2_prefetch = target
             n += 1
     return n
 

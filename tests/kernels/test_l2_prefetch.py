@@ -101,6 +101,28 @@ def test_each_layer_prefetches_its_own_output_projection(tmp_path, kind):
         assert block.gate.l2_prefetch is block.shared_expert.gate_up_proj.weight
 
 
+def test_a_router_without_a_shared_expert_prefetches_the_next_input_projection(tmp_path):
+    from tests.models.moe_checkpoints import make_tiny_moe
+
+    model = load_model(str(make_tiny_moe(tmp_path)), torch.float32, "cpu", progress=False)
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    routers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "weight_read_whatever_the_routing")]
+    assert routers and routers[-1] == len(layers) - 1
+    assert plan_l2_prefetch(model) == len(layers) + len(routers) - 1  # the last router has no next layer
+    for i in routers[:-1]:
+        assert layers[i].mlp.gate.l2_prefetch is layers[i + 1].mixer.in_proj.weight
+    assert layers[-1].mlp.gate.l2_prefetch is None
+
+
+def test_expert_weights_stream_evict_first_with_the_prefetch(monkeypatch):
+    from freetoken_core.kernels import moe_gemv
+
+    with _prefetch(monkeypatch, False):
+        assert moe_gemv.expert_weight_eviction() == ""
+    with _prefetch(monkeypatch, True):
+        assert moe_gemv.expert_weight_eviction() == "evict_first"
+
+
 _COMPILE = textwrap.dedent("""
     import os
     os.environ["TRITON_INTERPRET"] = "0"
