@@ -112,6 +112,30 @@ def _gdn_small_batch_tile(bv: int, warps: int, stages: int) -> Callable[[], None
     return patch
 
 
+def _pf_no_router() -> None:
+    """With FREETOKEN_L2_PREFETCH=1: the MoE routers prefetch nothing (only the input projections do)."""
+    from freetoken_core.models import blocks
+
+    plan = blocks.plan_l2_prefetch
+
+    def mixers_only(model):
+        n = plan(model)
+        for layer in model.modules():
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if isinstance(layer, blocks.DecoderLayer) and gate is not None and hasattr(gate, "l2_prefetch"):
+                gate.l2_prefetch = None
+        return n
+
+    blocks.plan_l2_prefetch = mixers_only
+
+
+def _pf_no_evict() -> None:
+    """With FREETOKEN_L2_PREFETCH=1: the expert GEMVs load their weights without the evict-first hint."""
+    from freetoken_core.kernels import moe_gemv
+
+    moe_gemv.expert_weight_eviction = lambda: ""
+
+
 def _lm_cublas() -> None:
     """The LM head's one-row logits on cuBLAS (F.linear), as before the LM head took the Triton GEMV."""
     from freetoken_core.layers import embedding
@@ -146,6 +170,8 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "attn_bn64": _attn_kw("Decode attention blocks of 64 keys.", block_n=64),
     "down_after_wait": _down_after_wait,
     "lm_cublas": _lm_cublas,
+    "pf_no_router": _pf_no_router,
+    "pf_no_evict": _pf_no_evict,
     "gdn_bv8": _gdn_small_batch_tile(8, 1, 3),
     "gdn_bv32": _gdn_small_batch_tile(32, 1, 1),
     "gdn_bv16s1": _gdn_small_batch_tile(16, 1, 1),
