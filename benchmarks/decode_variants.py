@@ -136,6 +136,13 @@ def _pf_no_evict() -> None:
     moe_gemv.expert_weight_eviction = lambda: ""
 
 
+def _pf_no_down() -> None:
+    """With FREETOKEN_L2_PREFETCH=1: the MoE gate/up GEMV does not prefetch the routes' down weights."""
+    from freetoken_core.kernels import moe_gemv
+
+    moe_gemv.down_prefetch_target = lambda w2, x, routes: None
+
+
 def _lm_cublas() -> None:
     """The LM head's one-row logits on cuBLAS (F.linear), as before the LM head took the Triton GEMV."""
     from freetoken_core.layers import embedding
@@ -172,6 +179,7 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "lm_cublas": _lm_cublas,
     "pf_no_router": _pf_no_router,
     "pf_no_evict": _pf_no_evict,
+    "pf_no_down": _pf_no_down,
     "gdn_bv8": _gdn_small_batch_tile(8, 1, 3),
     "gdn_bv32": _gdn_small_batch_tile(32, 1, 1),
     "gdn_bv16s1": _gdn_small_batch_tile(16, 1, 1),

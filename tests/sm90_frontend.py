@@ -77,7 +77,7 @@ def to_ttir(fn, signature: dict[str, str], constexprs: dict[str, object], option
 
 
 # constexpr switches that only a GPU launch turns on (the interpreter cannot run their branches)
-GPU_ONLY = ("USE_PDL", "PREFETCH")
+GPU_ONLY = ("USE_PDL", "PREFETCH", "PREFETCH_DOWN")
 
 
 def with_pdl(launches: list[dict]) -> list[dict]:

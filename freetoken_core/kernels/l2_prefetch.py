@@ -53,6 +53,18 @@ def prefetch_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tenso
     return weight.view(-1).view(torch.uint8)
 
 
+def expert_rows_target(w: torch.Tensor | None, x: torch.Tensor, routes: int) -> torch.Tensor | None:
+    """As `prefetch_target` for stacked expert weights [E, ...] of which a launch prefetches `routes` experts' blocks
+    (one each): the whole stack as uint8, or None (the routes' blocks together over MAX_L2_SHARE of the L2)."""
+    if w is None or not kernel_env().l2_prefetch or not x.is_cuda or triton_interpreted():
+        return None
+    if w.device != x.device or not w.is_contiguous() or w.data_ptr() % ALIGN or w[0].numel() * w.element_size() % ALIGN:
+        return None
+    if routes * w[0].numel() * w.element_size() > MAX_L2_SHARE * _l2_bytes(x.device.index or 0):
+        return None
+    return w.view(-1).view(torch.uint8)
+
+
 def launch_args(target: torch.Tensor | None, fallback: torch.Tensor) -> dict:
     """Kernel arguments of a GEMV taking `l2_prefetch_share`: pf_ptr, pf_bytes and the PREFETCH constexpr."""
     if target is None:

@@ -23,6 +23,7 @@ import torch
 # Being in freetoken_core.kernels, this module runs after the package's __init__, which decides
 # TRITON_INTERPRET before the first `import triton`.
 from ..env import kernel_env
+from . import l2_prefetch
 from .fused_moe_configs import Config, down_routes, get_decode_config
 from .pdl import pdl_launch
 
@@ -30,6 +31,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from .jit_util import round_to, silu_mul_rounded  # noqa: E402
+from .l2_prefetch import l2_prefetch_share  # noqa: E402
 from .pdl_jit import pdl_wait_then_release  # noqa: E402
 
 
@@ -79,16 +81,22 @@ def _gate_up_gemv(x_row, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn, 
 
 
 @triton.jit
-def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, I, H, stride_xt, stride_we, stride_wn,
-                             stride_ar, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, W_EVICT: tl.constexpr):
+def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, w2_ptr, w2_expert_bytes, I, H, stride_xt, stride_we,
+                             stride_wn, stride_ar, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, W_EVICT: tl.constexpr,
+                             PREFETCH_DOWN: tl.constexpr = False, PF_LANES: tl.constexpr = 128):
     # route r = t * TOP_K + j runs expert e = ids[r] on token t
+    # PREFETCH_DOWN (FREETOKEN_L2_PREFETCH): then each program asks L2 for its share of the route's down weights
+    # (w2 as bytes, w2_expert_bytes an expert), which the down GEMV reads next (kernels/l2_prefetch.py).
     r = tl.program_id(0).to(tl.int64)
     if USE_PDL:  # the expert id is an activation: nothing can be prefetched before the wait
         pdl_wait_then_release()
     expert = tl.load(ids_ptr + r).to(tl.int64)
     _gate_up_gemv(x_ptr + (r // TOP_K) * stride_xt, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn,
                   stride_ar, BLOCK_N, BLOCK_K, EVEN_K, W_EVICT)
+    if PREFETCH_DOWN:
+        l2_prefetch_share(w2_ptr + expert * w2_expert_bytes, w2_expert_bytes, tl.program_id(1), tl.num_programs(1),
+                          PF_LANES)
 
 
 @triton.jit
@@ -209,19 +217,30 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
 
 
 def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
-                     config: Config | None = None) -> torch.Tensor:
-    """act [T*k, I] = silu(gate) * up of each route's expert, reading only the chosen experts' rows."""
+                     config: Config | None = None, prefetch_down: torch.Tensor | None = None) -> torch.Tensor:
+    """act [T*k, I] = silu(gate) * up of each route's expert, reading only the chosen experts' rows.
+    prefetch_down: the down weights w2 [E, H, I], whose routed blocks the programs then pull into L2 for the
+    down GEMV (FREETOKEN_L2_PREFETCH; `l2_prefetch.expert_rows_target` decides; no value changes)."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     cfg = config or get_decode_config(num_experts, hidden, two_i // 2, x.dtype)["gate_up"]
     act = torch.empty((num_tokens * top_k, two_i // 2), dtype=x.dtype, device=x.device)
     grid = (num_tokens * top_k, triton.cdiv(two_i // 2, cfg["BLOCK_N"]))
+    w2 = down_prefetch_target(prefetch_down, x, num_tokens * top_k)
+    w2_expert_bytes = 0 if w2 is None else w2.numel() // prefetch_down.shape[0]
     _moe_gemv_gate_up_kernel[grid](
-        x, w13, topk_ids, act, two_i // 2, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], W_EVICT=expert_weight_eviction(), **pdl_launch(x),
+        x, w13, topk_ids, act, w2 if w2 is not None else act, w2_expert_bytes, two_i // 2, hidden, x.stride(0),
+        w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=hidden % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        W_EVICT=expert_weight_eviction(), PREFETCH_DOWN=w2 is not None, PF_LANES=32 * cfg["num_warps"],
+        **pdl_launch(x),
     )
     return act
+
+
+def down_prefetch_target(w2: torch.Tensor | None, x: torch.Tensor, routes: int) -> torch.Tensor | None:
+    """w2 as the bytes the gate/up programs prefetch from, or None (l2_prefetch.expert_rows_target)."""
+    return l2_prefetch.expert_rows_target(w2, x, routes)
 
 
 def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -255,5 +274,5 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if x.shape[0] == 0:
         return torch.empty_like(x)
     config = config or get_decode_config(w13.shape[0], w13.shape[2], w2.shape[2], x.dtype)
-    act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"])
+    act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"], prefetch_down=w2)
     return moe_gemv_down(act, w2, topk_weights, topk_ids, config["down"], after_gate_up=True)

@@ -67,6 +67,48 @@ def test_prefetch_target_on_cuda(monkeypatch):
         assert l2_prefetch.prefetch_target(torch.empty(big, dtype=torch.bfloat16, device="cuda"), x) is None
 
 
+def test_no_expert_prefetch_on_the_cpu(monkeypatch):
+    w2 = torch.zeros(4, 64, 32, dtype=torch.bfloat16)
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with _prefetch(monkeypatch, True):
+        assert l2_prefetch.expert_rows_target(w2, x, 2) is None
+        assert l2_prefetch.expert_rows_target(None, x, 2) is None
+
+
+@needs_cuda
+def test_expert_rows_target_on_cuda(monkeypatch):
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
+    w2 = torch.zeros(16, 64, 32, dtype=torch.bfloat16, device="cuda")
+    with _prefetch(monkeypatch, False):
+        assert l2_prefetch.expert_rows_target(w2, x, 8) is None
+    with _prefetch(monkeypatch, True):
+        t = l2_prefetch.expert_rows_target(w2, x, 8)
+        if torch.cuda.get_device_capability()[0] < 9:
+            assert t is None
+            return
+        assert t is not None and t.numel() == w2.numel() * 2 and t.data_ptr() == w2.data_ptr()
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        too_many_routes = l2 // (64 * 32 * 2) + 1  # their blocks together would fill the whole L2
+        assert l2_prefetch.expert_rows_target(w2, x, too_many_routes) is None
+
+
+@needs_cuda
+def test_fused_moe_decode_is_bit_identical_with_the_down_prefetch(monkeypatch):
+    from freetoken_core.kernels.moe_gemv import fused_moe_decode
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e, h, i, k = 64, 2048, 768, 8
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    ids = torch.randperm(e, device="cuda", generator=g)[:k].to(torch.int32).view(1, k)
+    weights = torch.rand(1, k, device="cuda", generator=g)
+    want = fused_moe_decode(x, w13, w2, weights, ids)
+    with _prefetch(monkeypatch, True):
+        got = fused_moe_decode(x, w13, w2, weights, ids)
+    assert torch.equal(got, want)
+
+
 def test_launch_args():
     y = torch.zeros(1)
     off = l2_prefetch.launch_args(None, y)
@@ -142,12 +184,24 @@ _COMPILE = textwrap.dedent("""
     k = triton.compile(ASTSource(_norm_gemv_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, num_stages=3))
     print("PTX", "cp.async.bulk.prefetch.L2.global" in k.asm["ptx"], "CUBIN", len(k.asm["cubin"]))
+
+    from freetoken_core.kernels.moe_gemv import _moe_gemv_gate_up_kernel
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i32", "act_ptr": "*bf16", "w2_ptr": "*u8",
+                 "w2_expert_bytes": "i32", "I": "i32", "H": "i32", "stride_xt": "i32", "stride_we": "i32",
+                 "stride_wn": "i32", "stride_ar": "i32"}
+    constexprs = dict(TOP_K=8, BLOCK_N=4, BLOCK_K=256, EVEN_K=True, USE_PDL=True, W_EVICT="evict_first",
+                      PREFETCH_DOWN=True, PF_LANES=128)
+    signature.update({name: "constexpr" for name in constexprs})
+    k = triton.compile(ASTSource(_moe_gemv_gate_up_kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=2))
+    ptx = k.asm["ptx"]
+    print("PTX", "cp.async.bulk.prefetch.L2.global" in ptx and "L2::evict_first" in ptx, "CUBIN", len(k.asm["cubin"]))
 """)
 
 
-def test_the_prefetching_norm_gemv_compiles_to_an_sm90_cubin(tmp_path):
-    """The whole compile (frontend, PTX, Triton's own ptxas) of the norm + GEMV with PDL and the prefetch on,
-    for the H200, on a machine without a GPU: ptxas takes the helper's inline PTX."""
+def test_the_prefetching_kernels_compile_to_sm90_cubins(tmp_path):
+    """The whole compile (frontend, PTX, Triton's own ptxas) of the norm + GEMV and of the MoE gate/up GEMV with
+    PDL and the prefetch on, for the H200, on a machine without a GPU: ptxas takes the helper's inline PTX."""
     script = tmp_path / "compile_probe.py"  # a file: triton.jit needs the kernels' source
     script.write_text(_COMPILE)
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"),
@@ -156,8 +210,10 @@ def test_the_prefetching_norm_gemv_compiles_to_an_sm90_cubin(tmp_path):
     if out.returncode != 0 and "ptxas" in out.stderr.lower() and "not found" in out.stderr.lower():
         pytest.skip("this Triton install has no ptxas")
     assert out.returncode == 0, out.stderr[-3000:]
-    line = [x for x in out.stdout.splitlines() if x.startswith("PTX")][-1].split()
-    assert line[1] == "True" and int(line[3]) > 0, line
+    lines = [x.split() for x in out.stdout.splitlines() if x.startswith("PTX")]
+    assert len(lines) == 2, out.stdout  # the norm + GEMV, then the MoE gate/up GEMV (evict-first loads too)
+    for line in lines:
+        assert line[1] == "True" and int(line[3]) > 0, line
 
 
 @needs_cuda
