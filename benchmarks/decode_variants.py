@@ -112,21 +112,37 @@ def _gdn_small_batch_tile(bv: int, warps: int, stages: int) -> Callable[[], None
     return patch
 
 
-def _pf_no_router() -> None:
-    """With FREETOKEN_L2_PREFETCH=1: the MoE routers prefetch nothing (only the input projections do)."""
+def _plan_then(clear: Callable[[object], None]) -> None:
+    """Wrap models.blocks.plan_l2_prefetch: after it, `clear(layer)` for every decoder layer."""
     from freetoken_core.models import blocks
 
     plan = blocks.plan_l2_prefetch
 
-    def mixers_only(model):
+    def planned(model):
         n = plan(model)
         for layer in model.modules():
-            gate = getattr(getattr(layer, "mlp", None), "gate", None)
-            if isinstance(layer, blocks.DecoderLayer) and gate is not None and hasattr(gate, "l2_prefetch"):
-                gate.l2_prefetch = None
+            if isinstance(layer, blocks.DecoderLayer):
+                clear(layer)
         return n
 
-    blocks.plan_l2_prefetch = mixers_only
+    blocks.plan_l2_prefetch = planned
+
+
+def _pf_no_router() -> None:
+    """With FREETOKEN_L2_PREFETCH=1: the MoE routers do not prefetch the shared expert's gate/up."""
+    def clear(layer):
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "l2_prefetch"):
+            gate.l2_prefetch = None
+    _plan_then(clear)
+
+
+def _pf_no_next() -> None:
+    """With FREETOKEN_L2_PREFETCH=1: the MoE top-k does not prefetch the next layer's input projection."""
+    def clear(layer):
+        if hasattr(layer.mlp, "next_weight_prefetch"):
+            layer.mlp.next_weight_prefetch = None
+    _plan_then(clear)
 
 
 def _pf_no_evict() -> None:
@@ -178,6 +194,7 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "down_after_wait": _down_after_wait,
     "lm_cublas": _lm_cublas,
     "pf_no_router": _pf_no_router,
+    "pf_no_next": _pf_no_next,
     "pf_no_evict": _pf_no_evict,
     "pf_no_down": _pf_no_down,
     "gdn_bv8": _gdn_small_batch_tile(8, 1, 3),

@@ -28,6 +28,7 @@ ALIGN = 16  # bytes: the bulk prefetch's address and size granularity
 # At most this share of the L2 is asked for at once: what the next kernels read (K/V, states, activations)
 # must still fit beside it.
 MAX_L2_SHARE = 0.5
+MIN_PIECE: tl.constexpr = tl.constexpr(4096)  # bytes: the smallest bulk prefetch a lane issues (l2_prefetch_share)
 
 
 @functools.cache
@@ -53,6 +54,20 @@ def prefetch_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tenso
     return weight.view(-1).view(torch.uint8)
 
 
+def prefix_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """As `prefetch_target`, but a weight larger than MAX_L2_SHARE of the L2 gives its first rows' bytes (as much
+    as that share holds) instead of None: the GEMV programs that read those rows find them in L2."""
+    if weight is None or not kernel_env().l2_prefetch or not x.is_cuda or triton_interpreted():
+        return None
+    if weight.device != x.device or not weight.is_contiguous() or weight.data_ptr() % ALIGN:
+        return None
+    budget = int(MAX_L2_SHARE * _l2_bytes(x.device.index or 0)) // ALIGN * ALIGN
+    nbytes = weight.numel() * weight.element_size()
+    if budget < ALIGN or nbytes < ALIGN:
+        return None
+    return weight.view(-1).view(torch.uint8)[: min(nbytes, budget)]
+
+
 def expert_rows_target(w: torch.Tensor | None, x: torch.Tensor, routes: int) -> torch.Tensor | None:
     """As `prefetch_target` for stacked expert weights [E, ...] of which a launch prefetches `routes` experts' blocks
     (one each): the whole stack as uint8, or None (the routes' blocks together over MAX_L2_SHARE of the L2)."""
@@ -74,14 +89,19 @@ def launch_args(target: torch.Tensor | None, fallback: torch.Tensor) -> dict:
 
 @triton.jit
 def l2_prefetch_share(pf_ptr, pf_bytes, pid, num_programs, LANES: tl.constexpr):
-    """Program `pid` of `num_programs` prefetches its share of pf_ptr[0:pf_bytes] (uint8) into L2: one bulk
-    prefetch, issued by lane 0 of a LANES-wide vector (one element a thread, so no thread repeats it)."""
+    """Program `pid` of `num_programs` prefetches its share of pf_ptr[0:pf_bytes] (uint8) into L2 with bulk
+    prefetches from a LANES-wide vector (one element a thread, so no thread repeats another's): the share in
+    pieces of at least MIN_PIECE bytes, one a lane (a GEMV program's ~20 KB share: a few lanes; one top-k
+    program's whole next weight: every lane)."""
     share = (pf_bytes // num_programs + 15) // 16 * 16
     start = pid * share
     size = tl.minimum(share, pf_bytes - start)
+    piece = tl.maximum((share // LANES + 15) // 16 * 16, MIN_PIECE)
     lanes = tl.arange(0, LANES)
-    sizes = tl.where((lanes == 0) & (size > 0), size, 0).to(tl.int32)
-    ptrs = pf_ptr + start.to(tl.int64) + lanes * 0
+    offs = lanes * piece
+    sizes = tl.minimum(piece, size - offs)
+    sizes = tl.where(sizes > 0, sizes, 0).to(tl.int32)
+    ptrs = pf_ptr + start.to(tl.int64) + offs.to(tl.int64)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [ptrs, sizes], dtype=tl.int32, is_pure=False, pack=1)

@@ -211,14 +211,14 @@ class DecoderLayer(nn.Module):
 
 
 def plan_l2_prefetch(model: nn.Module) -> int:
-    """Which batch-1 norm + GEMV launch pulls which weight into L2 for a later kernel (FREETOKEN_L2_PREFETCH
-    decides at launch whether it does; kernels/l2_prefetch.py), over kernels that leave HBM idle:
+    """Which batch-1 launch pulls which weight into L2 for a later kernel (FREETOKEN_L2_PREFETCH decides at
+    launch whether it does; kernels/l2_prefetch.py), over kernels that leave HBM idle:
     - each layer's fused input norm + projection: its mixer's output projection (read after the attention or
       gated-delta-net kernels);
-    - a MoE router with its norm, over the top-k: a weight its block reads whatever the routing (a shared
-      expert's gate/up), else the next layer's input projection (read after the experts, whose loads then
-      carry an evict-first hint so that they do not push it out: kernels/moe_gemv.py).
-    Weights larger than the launch may ask for (l2_prefetch.MAX_L2_SHARE) are skipped at launch.
+    - a MoE router with its norm: a weight its block reads whatever the routing (a shared expert's gate/up);
+    - a MoE block's top-k (before its wait, while the router runs): the next layer's input projection, as much
+      of it as half the L2 holds (read after the experts, whose loads carry an evict-first hint so that they do
+      not push it out, and whose gate/up GEMV prefetches the routes' down weights: kernels/moe_gemv.py).
     Returns the number of launches planned."""
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     n = 0
@@ -232,11 +232,11 @@ def plan_l2_prefetch(model: nn.Module) -> int:
         gate = getattr(layer.mlp, "gate", None)
         if read_anyway is None or not isinstance(gate, Linear):
             continue
-        target = read_anyway()
-        if target is None and i + 1 < len(layers) and getattr(layers[i + 1].mixer, "fuses_input_norm", False):
-            target = layers[i + 1].mixer.in_proj.weight
-        if target is not None:
-            gate.l2_prefetch = target
+        if (w := read_anyway()) is not None:
+            gate.l2_prefetch = w
+            n += 1
+        if i + 1 < len(layers) and isinstance(nxt := getattr(layers[i + 1].mixer, "in_proj", None), Linear):
+            layer.mlp.next_weight_prefetch = nxt.weight
             n += 1
     return n
 

@@ -109,6 +109,33 @@ def test_fused_moe_decode_is_bit_identical_with_the_down_prefetch(monkeypatch):
     assert torch.equal(got, want)
 
 
+@needs_cuda
+def test_prefix_target_keeps_what_half_the_l2_holds(monkeypatch):
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="cuda")
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    big = torch.empty(l2, dtype=torch.bfloat16, device="cuda")  # twice the L2
+    small = torch.empty(1024, 64, dtype=torch.bfloat16, device="cuda")
+    with _prefetch(monkeypatch, True):
+        if torch.cuda.get_device_capability()[0] < 9:
+            assert l2_prefetch.prefix_target(big, x) is None
+            return
+        t = l2_prefetch.prefix_target(big, x)
+        assert t is not None and t.data_ptr() == big.data_ptr() and t.numel() == int(0.5 * l2) // 16 * 16
+        assert l2_prefetch.prefix_target(small, x).numel() == small.numel() * 2
+
+
+@needs_cuda
+def test_topk_is_identical_with_the_prefetch(monkeypatch):
+    from freetoken_core.kernels.moe_router import topk_softmax
+
+    logits = torch.randn(1, 129, device="cuda")
+    nxt = torch.randn(5120, 2048, device="cuda", dtype=torch.bfloat16)
+    want = topk_softmax(logits, 8, True, shared_expert=True)
+    with _prefetch(monkeypatch, True):
+        got = topk_softmax(logits, 8, True, shared_expert=True, prefetch=nxt)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_launch_args():
     y = torch.zeros(1)
     off = l2_prefetch.launch_args(None, y)
@@ -132,28 +159,34 @@ def test_each_layer_prefetches_its_own_output_projection(tmp_path, kind):
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
     assert all(layer.mixer.in_proj.l2_prefetch is None for layer in layers)
     shared = [layer.mlp for layer in layers if hasattr(layer.mlp, "shared_expert")]
-    assert plan_l2_prefetch(model) == len(layers) + len(shared) > 0
+    moe = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "next_weight_prefetch")]
+    assert plan_l2_prefetch(model) == len(layers) + len(shared) + len([i for i in moe if i + 1 < len(layers)]) > 0
     for layer in layers:
         assert layer.mixer.in_proj.l2_prefetch is layer.mixer.out_proj.weight
     kinds = {type(layer.mixer) for layer in layers}
     assert Attention in kinds and (kind == "llama" or len(kinds) == 2)  # the hybrid's GDN layers too
     # a shared expert's gate/up is read at every step: its router's launch prefetches it
-    assert (kind == "llama") == (not shared)
+    assert (kind == "llama") == (not shared) == (not moe)
     for block in shared:
         assert block.gate.l2_prefetch is block.shared_expert.gate_up_proj.weight
+    # a MoE block's top-k prefetches the next layer's input projection (GDN in_proj or QKV)
+    for i in moe:
+        nxt = layers[i + 1].mixer.in_proj.weight if i + 1 < len(layers) else None
+        assert layers[i].mlp.next_weight_prefetch is nxt
 
 
-def test_a_router_without_a_shared_expert_prefetches_the_next_input_projection(tmp_path):
+def test_a_moe_without_a_shared_expert(tmp_path):
     from tests.models.moe_checkpoints import make_tiny_moe
 
     model = load_model(str(make_tiny_moe(tmp_path)), torch.float32, "cpu", progress=False)
     layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    routers = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "weight_read_whatever_the_routing")]
-    assert routers and routers[-1] == len(layers) - 1
-    assert plan_l2_prefetch(model) == len(layers) + len(routers) - 1  # the last router has no next layer
-    for i in routers[:-1]:
-        assert layers[i].mlp.gate.l2_prefetch is layers[i + 1].mixer.in_proj.weight
-    assert layers[-1].mlp.gate.l2_prefetch is None
+    moe = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "next_weight_prefetch")]
+    assert moe and moe[-1] == len(layers) - 1
+    assert plan_l2_prefetch(model) == len(layers) + len(moe) - 1  # the last block has no next layer
+    for i in moe[:-1]:
+        assert layers[i].mlp.gate.l2_prefetch is None  # nothing is read whatever the routing
+        assert layers[i].mlp.next_weight_prefetch is layers[i + 1].mixer.in_proj.weight
+    assert layers[-1].mlp.next_weight_prefetch is None
 
 
 def test_expert_weights_stream_evict_first_with_the_prefetch(monkeypatch):
