@@ -114,7 +114,8 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, pf_ptr, 
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 shared_expert: bool = False, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_expert: bool = False,
+                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); see `topk_softmax_ref`.
     shared_expert: the logits are [T, E + 1], the last column the shared expert's gate, and the routing
     [T, k + 1] ends with it (`topk_softmax_shared_ref`): one launch for the router's top-k and the gate.
