@@ -154,9 +154,9 @@ def _pf_no_evict() -> None:
 
 def _pf_no_down() -> None:
     """With FREETOKEN_L2_PREFETCH=1: the MoE gate/up GEMV does not prefetch the routes' down weights."""
-    from freetoken_core.kernels import moe_gemv
+    from freetoken_core.kernels import l2_prefetch
 
-    moe_gemv.down_prefetch_target = lambda w2, x, routes: None
+    l2_prefetch.expert_rows_target = lambda w2, x, routes: None  # its only caller: moe_gemv_gate_up
 
 
 def _lm_cublas() -> None:

@@ -56,8 +56,9 @@ class KernelEnv:
     rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
-    # FREETOKEN_L2_PREFETCH: a mixer's input-projection GEMV (batch 1) prefetches its output projection's weight
-    # into L2 for the attention / GDN kernels in between (kernels/l2_prefetch.py; Hopper). Off: not yet measured.
+    # FREETOKEN_L2_PREFETCH: batch-1 launches before stretches that leave HBM idle (attention, the GDN recurrence,
+    # the MoE top-k) prefetch into L2 the weights read after them, and expert loads carry an evict-first hint
+    # (kernels/l2_prefetch.py, models/blocks.py plan_l2_prefetch; Hopper). Off: not yet measured.
     l2_prefetch: bool = False
 
     @staticmethod

@@ -1,17 +1,17 @@
-"""L2 prefetch of the next weight from the end of a batch-1 GEMV (FREETOKEN_L2_PREFETCH, Hopper).
+"""L2 prefetch of weights read later in a batch-1 decode step (FREETOKEN_L2_PREFETCH, Hopper).
 
-Between a mixer's input projection and its output projection a batch-1 decode step runs kernels that
-barely touch memory: attention's K/V store, split and merge over a few hundred keys (7.4 us a layer on
-Qwen3-30B-A3B), the gated-delta-net conv and recurrence (8.2 us on Qwen3.6). HBM idles there, and then
-the output projection streams its 16.8 MB from HBM. Here each program of the input projection's GEMV,
-once its own rows are done, issues `cp.async.bulk.prefetch.L2` for its share of the output
-projection's weight: one instruction per program, fire and forget (the copy engine fills L2 while the
-latency-bound kernels run; nothing waits on it). The output projection then reads L2.
+A batch-1 step has stretches that barely touch memory: attention's K/V store, split and merge over a few
+hundred keys (7.4 us a layer on Qwen3-30B-A3B), the gated-delta-net conv and recurrence (8.2 us on Qwen3.6),
+the MoE router's top-k. HBM idles there, and the weights read right after stream from HBM. The launch just
+before such a stretch issues `cp.async.bulk.prefetch.L2` for a weight read after it (`l2_prefetch_share`: each
+program its share, in pieces spread over its lanes; fire and forget: the copy engine fills L2 while the
+latency-bound kernels run, nothing waits on it). Which launch prefetches what: models/blocks.py
+`plan_l2_prefetch`, and the MoE gate/up GEMV its routes' down weights (kernels/moe_gemv.py).
 
-A prefetch changes no value anywhere, only where the output projection's bytes come from, so the
-GEMV's results are bit-identical with and without it. Hopper's bulk prefetch needs sm_90 and 16-byte
-aligned pieces; the interpreter has no inline PTX, so on the CPU the kernels never take this branch.
-Off until measured on the GPU (`benchmarks/decode_variants.py` with env:FREETOKEN_L2_PREFETCH=1).
+A prefetch changes no value anywhere, only where the bytes come from, so results are bit-identical with and
+without it. Hopper's bulk prefetch needs sm_90 and 16-byte aligned pieces; the interpreter has no inline PTX,
+so on the CPU the kernels never take this branch. Off until measured on the GPU
+(`benchmarks/decode_variants.py` with env:FREETOKEN_L2_PREFETCH=1).
 """
 
 from __future__ import annotations
@@ -39,45 +39,46 @@ def _l2_bytes(index: int) -> int:
     return int(getattr(props, "L2_cache_size", 0))
 
 
-def prefetch_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """The bytes a GEMV on `x` should prefetch for `weight` (a uint8 view), or None where it should not:
-    the switch off, no weight, CPU or the interpreter, before Hopper, a weight not in one aligned block
-    on x's device, or one larger than MAX_L2_SHARE of the L2."""
+def _bytes_of(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """weight as one aligned block of bytes (uint8) a launch on `x` may prefetch, or None: the switch off, no
+    weight, CPU or the interpreter, another device, not contiguous or not 16-byte aligned."""
     if weight is None or not kernel_env().l2_prefetch or not x.is_cuda or triton_interpreted():
         return None
     if weight.device != x.device or not weight.is_contiguous() or weight.data_ptr() % ALIGN:
-        return None
-    l2 = _l2_bytes(x.device.index or 0)
-    nbytes = weight.numel() * weight.element_size()
-    if nbytes < ALIGN or nbytes > MAX_L2_SHARE * l2:
         return None
     return weight.view(-1).view(torch.uint8)
 
 
+def _budget(x: torch.Tensor) -> int:
+    """The most bytes one launch asks for: MAX_L2_SHARE of the L2 (0 before Hopper)."""
+    return int(MAX_L2_SHARE * _l2_bytes(x.device.index or 0)) // ALIGN * ALIGN
+
+
+def prefetch_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The bytes a launch on `x` prefetches for `weight`, or None (see `_bytes_of`; also a weight over the budget)."""
+    b = _bytes_of(weight, x)
+    return b if b is not None and ALIGN <= b.numel() <= _budget(x) else None
+
+
 def prefix_target(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """As `prefetch_target`, but a weight larger than MAX_L2_SHARE of the L2 gives its first rows' bytes (as much
-    as that share holds) instead of None: the GEMV programs that read those rows find them in L2."""
-    if weight is None or not kernel_env().l2_prefetch or not x.is_cuda or triton_interpreted():
+    """As `prefetch_target`, but a weight over the budget gives its first rows' bytes (as many as the budget holds)
+    instead of None: the GEMV programs that read those rows find them in L2."""
+    b = _bytes_of(weight, x)
+    if b is None or b.numel() < ALIGN:
         return None
-    if weight.device != x.device or not weight.is_contiguous() or weight.data_ptr() % ALIGN:
-        return None
-    budget = int(MAX_L2_SHARE * _l2_bytes(x.device.index or 0)) // ALIGN * ALIGN
-    nbytes = weight.numel() * weight.element_size()
-    if budget < ALIGN or nbytes < ALIGN:
-        return None
-    return weight.view(-1).view(torch.uint8)[: min(nbytes, budget)]
+    budget = _budget(x)
+    return b[:budget] if budget >= ALIGN else None
 
 
 def expert_rows_target(w: torch.Tensor | None, x: torch.Tensor, routes: int) -> torch.Tensor | None:
     """As `prefetch_target` for stacked expert weights [E, ...] of which a launch prefetches `routes` experts' blocks
-    (one each): the whole stack as uint8, or None (the routes' blocks together over MAX_L2_SHARE of the L2)."""
-    if w is None or not kernel_env().l2_prefetch or not x.is_cuda or triton_interpreted():
+    (one each): the whole stack as bytes, or None (an expert's block not whole 16-byte pieces, or the routes'
+    blocks together over the budget)."""
+    b = _bytes_of(w, x)
+    if b is None:
         return None
-    if w.device != x.device or not w.is_contiguous() or w.data_ptr() % ALIGN or w[0].numel() * w.element_size() % ALIGN:
-        return None
-    if routes * w[0].numel() * w.element_size() > MAX_L2_SHARE * _l2_bytes(x.device.index or 0):
-        return None
-    return w.view(-1).view(torch.uint8)
+    expert = b.numel() // w.shape[0]
+    return b if expert % ALIGN == 0 and routes * expert <= _budget(x) else None
 
 
 def launch_args(target: torch.Tensor | None, fallback: torch.Tensor) -> dict:

@@ -226,7 +226,7 @@ def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
     cfg = config or get_decode_config(num_experts, hidden, two_i // 2, x.dtype)["gate_up"]
     act = torch.empty((num_tokens * top_k, two_i // 2), dtype=x.dtype, device=x.device)
     grid = (num_tokens * top_k, triton.cdiv(two_i // 2, cfg["BLOCK_N"]))
-    w2 = down_prefetch_target(prefetch_down, x, num_tokens * top_k)
+    w2 = l2_prefetch.expert_rows_target(prefetch_down, x, num_tokens * top_k)
     w2_expert_bytes = 0 if w2 is None else w2.numel() // prefetch_down.shape[0]
     _moe_gemv_gate_up_kernel[grid](
         x, w13, topk_ids, act, w2 if w2 is not None else act, w2_expert_bytes, two_i // 2, hidden, x.stride(0),
@@ -237,10 +237,6 @@ def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
     )
     return act
 
-
-def down_prefetch_target(w2: torch.Tensor | None, x: torch.Tensor, routes: int) -> torch.Tensor | None:
-    """w2 as the bytes the gate/up programs prefetch from, or None (l2_prefetch.expert_rows_target)."""
-    return l2_prefetch.expert_rows_target(w2, x, routes)
 
 
 def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -18,9 +18,9 @@ from . import l2_prefetch
 from .fused_ops import rms_scaled
 from .gemv import _ROUTER_TILE, _w_tile
 from .gemv_ref import norm_gemv_reference  # noqa: F401  (the reference, beside its kernel)
+from .l2_prefetch import l2_prefetch_share
 from .moe_router import rank_when_last
 from .pdl import pdl_launch
-from .l2_prefetch import l2_prefetch_share
 from .pdl_jit import pdl_wait_then_release
 
 # Measured per weight shape (N, K), as gemv.GEMV_CONFIGS (`bench_gemv.py --shape ... --fused` on the H200,
