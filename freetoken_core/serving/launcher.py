@@ -123,7 +123,9 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
         # probes must end inside the detokenizer without a response: only a decoupled model can do that
         p = dest / "detokenizer" / "config.pbtxt"
         p.write_text(set_decoupled(p.read_text()))
-    counts = {"detokenizer": default_detokenizer_instances()}
+    engine_process = float(get_parameter(text, "engine_process") or 1) != 0
+    counts = {"detokenizer": default_detokenizer_instances(),
+              "freetoken": default_freetoken_instances(engine_process=engine_process)}
     for model, var in INSTANCE_ENV.items():
         if environ.get(var):
             counts[model] = int(environ[var])
@@ -140,6 +142,16 @@ def default_detokenizer_instances(cpus: int | None = None) -> int:
     threads, tritonserver's own and the client's. 1 on small boxes (2 cores here), 4 on 16 or more."""
     cpus = cpus or os.cpu_count() or 1
     return max(1, min(4, cpus // 4))
+
+
+def default_freetoken_instances(cpus: int | None = None, engine_process: bool = True) -> int:
+    """`freetoken` instances for this host. Each is a stub process whose sends are serialized (one
+    `send()` is an IPC round trip to a server thread), and they share one engine process: on the H200
+    host (16 cores) two instances answered 4.5-4.7k responses/s at 16-64 streams against 2.8-3.6k for one,
+    at the same tok/s (benchmarks/RESULTS.md, fifteenth session); four were no better than two. One on
+    smaller hosts, and one when the engine runs in the model's process (engine_process=0 cannot share)."""
+    cpus = cpus or os.cpu_count() or 1
+    return 2 if engine_process and cpus >= 16 else 1
 
 
 @dataclass

@@ -114,6 +114,13 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
         max_inflight(-1, "")
 
 
+def test_default_freetoken_instances_two_on_big_hosts_one_without_an_engine_process():
+    from freetoken_core.serving.launcher import default_freetoken_instances
+
+    assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 2, 2]
+    assert default_freetoken_instances(64, engine_process=False) == 1
+
+
 def test_sender_threads_and_engine_process_parameters():
     from freetoken_core.serving.params import sender_threads, serving_options
 
