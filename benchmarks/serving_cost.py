@@ -2,6 +2,7 @@
 
     python benchmarks/serving_cost.py                 # 2000 responses per case
     python benchmarks/serving_cost.py --responses 500 --formats full slim
+    python benchmarks/serving_cost.py --formats slim3 slim   # the one-tensor slim response against the 3-tensor one
 
 A bench repository (written to a temp dir) holds `sendcost`, a decoupled Python model that sends N
 engine responses built by freetoken_core.serving.response exactly as the engine's sender thread
@@ -76,6 +77,15 @@ class TritonPythonModel:
             return R.build_outputs(msg, msg.next_tokens, None, ctx, "", "", key)
         if fmt == "slim":
             return R.build_ensemble_outputs(msg, msg.next_tokens, None, ctx, "", "", key if i == 0 else "")
+        if fmt == "slim3":  # the slim layout before its tokens moved into meta: 3 tensors (stub cost only)
+            out = {"next_tokens": np.asarray(msg.next_tokens, dtype=np.int32),
+                   "meta": np.array([int(last), 128, i + 1], dtype=np.int32),
+                   "context_tokens": np.asarray(ctx, dtype=np.int32)}
+            if last:
+                out["finish_reason"] = np.array([b"length"], dtype=np.object_)
+            if i == 0:
+                out["cancel_key"] = np.array([key.encode()], dtype=np.object_)
+            return out
         raise ValueError(fmt)
 
     def run(self, sender, fmt, n, busy):
@@ -299,8 +309,10 @@ def main() -> int:
             stub = read_json(out / f"sendcost-{fmt}-0.json")
             run_case(handle.grpc_url, "sendcost", fmt, n, True)
             busy = read_json(out / f"sendcost-{fmt}-1.json")
-            ens = run_case(handle.grpc_url, "sendcost_ens", fmt, n, False)
-            ens8 = run_case(handle.grpc_url, "sendcost_ens", fmt, n // args.streams, False, streams=args.streams)
+            # the detokenizer reads the current layouts only: slim3 is measured in the stub alone
+            ens = run_case(handle.grpc_url, "sendcost_ens", fmt, n, False) if fmt != "slim3" else float("nan")
+            ens8 = (run_case(handle.grpc_url, "sendcost_ens", fmt, n // args.streams, False, streams=args.streams)
+                    if fmt != "slim3" else float("nan"))
             det = json.loads((out / "detok.json").read_text()) if (out / "detok.json").exists() else {}
             rows.append((fmt, stub, busy, rps, ens, ens8, det))
     except BaseException:

@@ -5,13 +5,17 @@ decode window (freetoken_core/tokenizer/detokenize.py: from the L-th last "ancho
 tracked by a DetokWindow per request, O(1) per token). The detokenizer is stateless, so this window
 is what lets it decode `next_tokens` exactly: no lost leading space, no multi-byte character split
 across responses, stop-string prefixes held back. The window stays short however long the output.
+(The slim ensemble response packs both into its one `meta` tensor: build_ensemble_outputs.)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from freetoken_core.messages import DetokenizeMsg
+
 
 def _bytes1(s: str | None) -> np.ndarray:
     return np.array([(s or "").encode("utf-8")], dtype=np.object_)
@@ -51,9 +55,44 @@ def build_outputs(
     return out
 
 
-# meta[0] bits of an ensemble response (build_ensemble_outputs), read by text_models.detokenize_response
+# The slim ensemble response is ONE int32 tensor, `meta` (issue 13: the cost of a response follows its
+# tensor count, not its bytes: each tensor is a pb.Tensor to build in the stub, a shared-memory block to
+# send, an output for the server and an input of the detokenizer's request). Layout: a header of
+# META_HEADER values [flags, num_input_tokens, num_output_tokens, engine id, uid, seq, len(context),
+# len(next_tokens)], then the context window's tokens, then next_tokens.
+META_HEADER = 8
+# meta[0] bits
 META_FINISHED = 1
 META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8}
+META_ACK = 16  # meta[3:6] name a response the detokenizer acks (engine id, uid, seq)
+
+
+@dataclass(frozen=True)
+class EnsembleMeta:
+    """A slim ensemble response's `meta`, read back (text_models.detokenize_response, the tests)."""
+
+    flags: int
+    num_input_tokens: int
+    num_output_tokens: int
+    ack: tuple[int, int, int] | None
+    context_tokens: np.ndarray
+    next_tokens: np.ndarray
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.flags & META_FINISHED)
+
+
+def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
+    m = np.asarray(meta, dtype=np.int32).reshape(-1)
+    if m.size < META_HEADER:
+        raise ValueError(f"meta holds {m.size} values, fewer than its {META_HEADER}-value header")
+    flags, n_in, n_out, engine, uid, seq, n_ctx, n_new = (int(v) for v in m[:META_HEADER])
+    if n_ctx < 0 or n_new < 0 or META_HEADER + n_ctx + n_new != m.size:
+        raise ValueError(f"meta holds {m.size} values, but its header says {META_HEADER} + {n_ctx} context "
+                         f"+ {n_new} new tokens")
+    ack = (engine, uid, seq) if flags & META_ACK else None
+    return EnsembleMeta(flags, n_in, n_out, ack, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:])
 
 
 def build_ensemble_outputs(
@@ -68,25 +107,24 @@ def build_ensemble_outputs(
     ack: tuple[int, int, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
-    response and nothing else (issue 13: each tensor costs the stub, the IPC and the detokenizer's
-    input reads). `meta` = [flags, num_input_tokens, num_output_tokens] replaces four scalar tensors;
-    strings and empty arrays that equal the detokenizer's defaults are left out (its inputs are
-    optional); `cancel_key` only when the caller says it is due (EngineLoop: first response, then
-    every cancel_check interval); spec_* and stop_reason are not ensemble outputs, so never sent.
-    `ack` = (engine id, uid, seq): the detokenizer acks this response once it sent it on (meta[3:6],
-    serving/cancel.py AckSender; the engine's flow control and per-stream order rest on it)."""
+    response and nothing else. The tokens and every number go in `meta` (one tensor, layout above);
+    strings go only when they differ from the detokenizer's defaults (its inputs are optional), and
+    `cancel_key` only when the caller says it is due (EngineLoop: first response, then every cancel_check
+    interval); spec_* and stop_reason are not ensemble outputs, so never sent. `ack` = (engine id, uid,
+    seq): the detokenizer acks this response once it sent it on (serving/cancel.py AckSender; the
+    engine's flow control and per-stream order rest on it)."""
     flags = META_FINISHED if msg.finished else 0
     for name in omit:
         flags |= META_OMIT.get(name, 0)
-    meta = [flags, msg.num_prompt_tokens, msg.num_output_tokens]
     if ack is not None:
-        meta += ack
-    out = {
-        "next_tokens": np.asarray(next_tokens, dtype=np.int32),
-        "meta": np.array(meta, dtype=np.int32),
-    }
-    if context_tokens:
-        out["context_tokens"] = np.asarray(context_tokens, dtype=np.int32)
+        flags |= META_ACK
+    engine, uid, seq = ack or (0, 0, 0)
+    n_ctx, n_new = len(context_tokens), len(next_tokens)
+    meta = np.empty(META_HEADER + n_ctx + n_new, dtype=np.int32)
+    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, n_ctx, n_new)
+    meta[META_HEADER:META_HEADER + n_ctx] = context_tokens
+    meta[META_HEADER + n_ctx:] = next_tokens
+    out = {"meta": meta}
     if msg.finished and "finish_reason" not in omit:
         out["finish_reason"] = _bytes1(msg.finish_reason)
     if logprobs:

@@ -14,7 +14,7 @@ import numpy as np
 
 from freetoken_core.serving.cancel import notify_cancel
 from freetoken_core.serving.chat import parse_chat_messages
-from freetoken_core.serving.response import META_FINISHED, META_OMIT
+from freetoken_core.serving.response import META_OMIT, read_ensemble_meta
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
@@ -76,10 +76,7 @@ def is_probe(tensors: Mapping[str, np.ndarray]) -> bool:
 def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:
     """(engine id, uid, seq) of a response the engine wants acked (response.build_ensemble_outputs)."""
     meta = tensors.get("meta")
-    if meta is None or meta.size < 6:
-        return None
-    m = np.asarray(meta).reshape(-1)
-    return int(m[3]), int(m[4]), int(m[5])
+    return None if meta is None else read_ensemble_meta(meta).ack
 
 
 def forward_cancel(key: str) -> bool:
@@ -92,23 +89,26 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> di
 
     Reads both response shapes: the slim ensemble one (`meta`, absent tensors = defaults;
     response.build_ensemble_outputs) and the full one (response.build_outputs)."""
-    new = np.asarray(tensors["next_tokens"], dtype=np.int32).reshape(-1)
-    ctx = tensors.get("context_tokens")
-    ctx_ids = [] if ctx is None else np.asarray(ctx).reshape(-1).tolist()
     meta = tensors.get("meta")
-    passthrough: dict[str, Any] = {"next_tokens_out": new}
     if meta is not None:
-        flags, n_in, n_out = (int(v) for v in np.asarray(meta).reshape(-1)[:3])
-        finished = bool(flags & META_FINISHED)
-        if not flags & META_OMIT["finish_reason"]:
+        m = read_ensemble_meta(meta)
+        new, ctx_ids, finished = m.next_tokens, m.context_tokens.tolist(), m.finished
+        passthrough: dict[str, Any] = {"next_tokens_out": new}
+        if not m.flags & META_OMIT["finish_reason"]:
             reason = tensors.get("finish_reason")
             passthrough["finish_reason_out"] = (np.asarray(reason).reshape(1).astype(np.object_)
                                                 if reason is not None else _EMPTY_STRING)
-        if not flags & META_OMIT["num_input_tokens"]:
-            passthrough["num_input_tokens_out"] = np.array([n_in], dtype=np.uint32)
-        if not flags & META_OMIT["num_output_tokens"]:
-            passthrough["num_output_tokens_out"] = np.array([n_out], dtype=np.uint32)
+        if not m.flags & META_OMIT["num_input_tokens"]:
+            passthrough["num_input_tokens_out"] = np.array([m.num_input_tokens], dtype=np.uint32)
+        if not m.flags & META_OMIT["num_output_tokens"]:
+            passthrough["num_output_tokens_out"] = np.array([m.num_output_tokens], dtype=np.uint32)
     else:
+        if "next_tokens" not in tensors:
+            raise ValueError("an engine response without next_tokens or meta")
+        new = np.asarray(tensors["next_tokens"], dtype=np.int32).reshape(-1)
+        ctx = tensors.get("context_tokens")
+        ctx_ids = [] if ctx is None else np.asarray(ctx).reshape(-1).tolist()
+        passthrough = {"next_tokens_out": new}
         finished = bool(_scalar(tensors.get("finished")) or False)
         # Outputs the engine left out (the client sent return_<name>=false) stay out: the ensemble then
         # leaves them out of its response too (Triton 2.51 skips an ensemble output no step produced).

@@ -12,7 +12,13 @@ import pytest
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.response import read_ensemble_meta
 from freetoken_core.serving.text_models import detokenize_response
+
+
+def tokens_of(out: dict):
+    """A response's new tokens: the full response's next_tokens, or those packed in the slim one's meta."""
+    return out["next_tokens"] if "next_tokens" in out else read_ensemble_meta(out["meta"]).next_tokens
 
 
 class RecordingTransport:
@@ -64,7 +70,7 @@ def test_streaming_responses_merge_exactly(llm, delay_s):
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
         assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
-        tokens = [int(t) for out, _, _ in responses for t in out["next_tokens"]]
+        tokens = [int(t) for out, _, _ in responses for t in tokens_of(out)]
         assert tokens == exp.token_ids
         text = "".join(
             detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
@@ -83,11 +89,11 @@ def test_stream_interval_holds_tokens_but_not_the_first(llm):
     transport = stream_through_loop(llm, prompts, params, RecordingTransport(0.0), LoopOptions(stream_interval=4))
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
-        sizes = [len(out["next_tokens"]) for out, _, _ in responses]
+        sizes = [len(tokens_of(out)) for out, _, _ in responses]
         assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 23
         assert len(responses) <= 1 + 22 // 4 + 1
         assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
-        assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == exp.token_ids
+        assert [int(t) for out, _, _ in responses for t in tokens_of(out)] == exp.token_ids
         text = "".join(
             detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
         )
@@ -112,8 +118,8 @@ def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(ll
     ens, direct = transport.sent["ens"], transport.sent["direct"]
     assert [f for _, _, f in ens].count(True) == 1 and ens[-1][2] and len(ens) > 1
     probes = [out for out, _, _ in ens[:-1]]
-    assert all(out["probe"][0] and out["next_tokens"].size == 0 and out["cancel_key"][0] for out in probes)
-    assert "probe" not in ens[-1][0] and ens[-1][0]["next_tokens"].size == 24
+    assert all(out["probe"][0] and tokens_of(out).size == 0 and out["cancel_key"][0] for out in probes)
+    assert "probe" not in ens[-1][0] and tokens_of(ens[-1][0]).size == 24
     assert len(direct) == 1 and "probe" not in direct[0][0] and "cancel_key" not in direct[0][0]
 
 
@@ -134,7 +140,8 @@ class AckingTransport(RecordingTransport):
     def send(self, handle, outputs, error, final) -> None:
         super().send(handle, outputs, error, final)
         meta = None if outputs is None else outputs.get("meta")
-        if meta is None or meta.size < 6:
+        ack_ids = None if meta is None else read_ensemble_meta(meta).ack
+        if ack_ids is None:
             return
         with self.lock:
             self.unacked[handle] = self.unacked.get(handle, 0) + 1
@@ -143,7 +150,7 @@ class AckingTransport(RecordingTransport):
         def ack() -> None:
             with self.lock:
                 self.unacked[handle] -= 1
-                self.acks.add(int(meta[3]), int(meta[4]), int(meta[5]))
+                self.acks.add(*ack_ids)
                 self.acks.flush()
 
         threading.Timer(self.next_delay(), ack).start()
@@ -187,9 +194,9 @@ def test_flow_control_merges_only_while_the_detokenizer_is_behind(llm, ack_delay
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
         assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
-        sizes = [out["next_tokens"].size for out, _, _ in responses]
+        sizes = [tokens_of(out).size for out, _, _ in responses]
         assert sizes[0] == 1  # the first token never waits
-        assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == exp.token_ids
+        assert [int(t) for out, _, _ in responses for t in tokens_of(out)] == exp.token_ids
         text = "".join(
             detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
         )
@@ -217,7 +224,7 @@ def test_a_late_ack_is_waited_for_once_acks_are_known_to_arrive(llm):
         loop.stop()
     assert transport.most_unacked == 1
     responses = transport.sent["h0"]
-    assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == expected.token_ids
+    assert [int(t) for out, _, _ in responses for t in tokens_of(out)] == expected.token_ids
     assert len(responses) < len(expected.token_ids)  # merged while waiting
 
 
@@ -236,8 +243,9 @@ def test_streams_without_detok_acks_are_not_paced(llm):
     finally:
         loop.stop()
     responses = transport.sent["h0"]
-    assert sum(out["next_tokens"].size for out, _, _ in responses) == 12
-    assert all(out["meta"].size <= 3 for out, _, _ in responses if "meta" in out)  # no ack ids asked for
+    assert sum(tokens_of(out).size for out, _, _ in responses) == 12
+    # no ack ids asked for
+    assert all(read_ensemble_meta(out["meta"]).ack is None for out, _, _ in responses if "meta" in out)
 
 
 class ConcurrentTransport(RecordingTransport):
@@ -273,7 +281,7 @@ def test_send_workers_keep_each_stream_in_order_with_one_final(llm):
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
         assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
-        assert [int(t) for out, _, _ in responses for t in out["next_tokens"]] == exp.token_ids
+        assert [int(t) for out, _, _ in responses for t in tokens_of(out)] == exp.token_ids
         text = "".join(
             detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
         )

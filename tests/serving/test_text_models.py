@@ -77,3 +77,32 @@ def test_detokenizer_leaves_out_what_the_engine_left_out(tok):
     bare = detokenize_response(tok, base)
     assert not {"finish_reason_out", "num_input_tokens_out", "num_output_tokens_out"} & set(bare)
     assert bare["text_output"][0] == full["text_output"][0]
+
+
+def test_slim_ensemble_response_is_one_tensor_and_decodes_like_the_full_one(tok):
+    """The slim ensemble response packs tokens, counts, flags and the ack ids into `meta` alone (one
+    tensor a send); the detokenizer reads the same text and outputs from it as from the full response."""
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, read_ensemble_meta
+    from freetoken_core.serving.text_models import ack_of
+
+    ids = tok.encode("Hello there, 世界 🐍!")
+    ctx, new = ids[:4], ids[4:]
+    for finished in (False, True):
+        msg = DetokenizeMsg(uid=7, next_tokens=new, finished=finished, finish_reason="length" if finished else None,
+                            num_prompt_tokens=11, num_output_tokens=len(ids))
+        slim = build_ensemble_outputs(msg, new, None, ctx, "", "", ack=(3, 7, 42))
+        assert set(slim) == ({"meta", "finish_reason"} if finished else {"meta"})
+        meta = read_ensemble_meta(slim["meta"])
+        assert meta.context_tokens.tolist() == ctx and meta.next_tokens.tolist() == new
+        assert (meta.finished, meta.num_input_tokens, meta.num_output_tokens) == (finished, 11, len(ids))
+        assert ack_of(slim) == (3, 7, 42)
+        full = build_outputs(msg, new, None, ctx, "", "")
+        a, b = detokenize_response(tok, slim), detokenize_response(tok, full)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    no_ack = build_ensemble_outputs(msg, [], None, [], "", "", omit=frozenset({"num_input_tokens"}))
+    assert ack_of(no_ack) is None and "num_input_tokens_out" not in detokenize_response(tok, no_ack)
+    with pytest.raises(ValueError, match="header says"):
+        read_ensemble_meta(np.concatenate([slim["meta"], [5]]).astype(np.int32))
+    with pytest.raises(ValueError, match="fewer than"):
+        read_ensemble_meta(np.array([1, 2, 3], np.int32))
