@@ -231,6 +231,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--min-waves", type=int, default=4,
+                   help="in-process: at least this many waves of `concurrency` requests per timed run (a single "
+                        "wave times its prefill and ragged tail, not the steady state a served client sees)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16], help="several: one table row each")
@@ -258,7 +261,9 @@ def main() -> int:
         model_path = shape_model_dir(args.shape, model_path)
         args.load_format = "dummy"
         print(f"model: {model_path} ({args.shape}, random weights)", flush=True)
-    prompts = make_prompts(load_tokenizer(model_path), args.requests, args.prompt_tokens)
+    most = max([args.requests] + [args.min_waves * c for c in args.concurrency])
+    all_prompts = make_prompts(load_tokenizer(model_path), most, args.prompt_tokens)
+    prompts = all_prompts[:args.requests]
     engine_kw = {"dtype": args.dtype, "device": args.device}
     if args.num_pages:
         engine_kw["num_pages"] = args.num_pages
@@ -269,7 +274,8 @@ def main() -> int:
     for c in args.concurrency:
         offline = served = float("nan")
         if args.only != "triton":
-            offline = bench_offline(model_path, prompts, args.output_tokens, c, engine_kw, args.rounds)
+            n = max(args.requests, args.min_waves * c)
+            offline = bench_offline(model_path, all_prompts[:n], args.output_tokens, c, engine_kw, args.rounds)
             print(f"concurrency {c}: in-process LLM {offline:8.1f} output tok/s", flush=True)
         if args.only != "offline":
             served = bench_triton(model_path, prompts, args.output_tokens, c, engine_kw, not args.no_stream)
@@ -282,7 +288,7 @@ def main() -> int:
             print(f"concurrency {c}: in-process closed loop, {d:g} ms between requests: {rate:8.1f} output tok/s, "
                   f"{prefills:.2f} prefill steps per request", flush=True)
         rows.append((c, offline, served, loops))
-    print(f"\n{args.requests} requests, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
+    print(f"\n{args.requests} requests (in-process: at least {args.min_waves} waves), ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens, "
           f"engine {engine_kw}")
     loop_cols = "".join(f" closed loop {d:g} ms tok/s (prefill steps/request) |" for d in args.closed_loop_ms)
     print(f"| concurrency | in-process tok/s | served tok/s | served / in-process |{loop_cols}\n"
