@@ -85,12 +85,16 @@ def test_fault_specs_parse_and_classify():
     assert not is_device_fatal(InjectedFault("x")) and not is_device_fatal(RuntimeError("CUDA out of memory"))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
-def test_step_fault_fails_only_the_steps_in_flight(smollm2_path, overlap):
+@pytest.mark.parametrize("overlap,mixed", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "overlap", "mixed"])
+def test_step_fault_fails_only_the_steps_in_flight(smollm2_path, overlap, mixed):
     """plain: the victim's prefill step fails; the request decoding beside it is not in that step and
     finishes exactly. overlap: the fault hits a decode step holding both, with the previous step
-    still in flight: both fail. Either way a request sent afterwards is served exactly."""
-    llm = LLM(smollm2_path, dtype="float32", max_running_req=4, num_pages=128, overlap_schedule=overlap)
+    still in flight: both fail. mixed (mixed_prefill, the served default): the decoding request rides in
+    the victim's prefill step, so it fails with it. Either way a request sent afterwards is served
+    exactly and every page comes back."""
+    llm = LLM(smollm2_path, dtype="float32", max_running_req=4, num_pages=128, overlap_schedule=overlap,
+              mixed_prefill=mixed)
     ref_b = llm.generate([llm.encode("Write one sentence about cats.")], SamplingParams(max_tokens=30, ignore_eos=True))[0]
     ref_c = llm.generate([llm.encode("数到五")], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     spec = FaultSpec("step", VICTIM_SEED, "decode" if overlap else "prefill")
@@ -107,8 +111,8 @@ def test_step_fault_fails_only_the_steps_in_flight(smollm2_path, overlap):
     v = rec.check_one_final("v")
     assert v[-1][1] is not None and "engine step running this request failed" in v[-1][1] and "injected step fault" in v[-1][1]
     b = rec.check_one_final("b")
-    if overlap:
-        assert b[-1][1] is not None and "injected step fault" in b[-1][1]  # it was in both steps in flight
+    if overlap or mixed:  # it was in both steps in flight / it rode in the failed prefill step
+        assert b[-1][1] is not None and "injected step fault" in b[-1][1]
     else:
         assert b[-1][1] is None and _tokens(b) == ref_b.token_ids  # not in the failed step: untouched
     c = rec.check_one_final("c")
