@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from freetoken_core.serving.send_order import ORDER_FILE, OrderTable
+
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "engine.sock"
@@ -51,19 +53,19 @@ KEY_SEP = "#"  # the token is hex, so the last '#' splits "socket path#token"
 ACK_DTYPE = np.dtype("<i4")  # an ack datagram: int32 pairs (uid, seq)
 
 
-def _channel_dir(engine_id: int) -> Path:
+def channel_dir(engine_id: int) -> Path:
     return Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{engine_id:08x}"
 
 
 def ack_socket_path(engine_id: int) -> Path:
     """Where the engine with this id receives delivery acks (the detokenizer's side computes it)."""
-    return _channel_dir(engine_id) / ACK_SOCKET_NAME
+    return channel_dir(engine_id) / ACK_SOCKET_NAME
 
 
-def _make_channel_dir() -> tuple[int, Path]:
+def _makechannel_dir() -> tuple[int, Path]:
     for _ in range(100):
         engine_id = secrets.randbelow(2**31 - 1) + 1
-        d = _channel_dir(engine_id)
+        d = channel_dir(engine_id)
         try:
             os.mkdir(d, 0o700)  # fails if it exists: never reuse (or trust) a directory someone else made
         except FileExistsError:
@@ -77,8 +79,8 @@ class CancelChannel:
     """Engine side: a non-blocking datagram socket that receives cancel tokens it handed out, and
     one that receives delivery acks (`poll_acks`)."""
 
-    def __init__(self) -> None:
-        self.engine_id, self.dir = _make_channel_dir()  # mode 0700: the server's user only
+    def __init__(self, send_order: bool = False) -> None:
+        self.engine_id, self.dir = _makechannel_dir()  # mode 0700: the server's user only
         self.path = self.dir / SOCKET_NAME
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(self.path))
@@ -88,6 +90,8 @@ class CancelChannel:
         self.ack_sock.bind(str(self.dir / ACK_SOCKET_NAME))
         self.ack_sock.setblocking(False)
         self._uids: dict[str, int] = {}  # token -> request uid, while the request runs
+        # detok_send_order: the streams' send order, shared with the detokenizer instances (send_order.py)
+        self.order = OrderTable(self.dir / ORDER_FILE, create=True) if send_order else None
 
     def register(self, uid: int) -> str:
         """A fresh key that cancels request `uid` until `unregister` (the request finished)."""
@@ -128,6 +132,8 @@ class CancelChannel:
     def close(self) -> None:
         self.sock.close()
         self.ack_sock.close()
+        if self.order is not None:
+            self.order.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -58,6 +58,10 @@ class LoopOptions:
     ack_lost_s: float = 30.0
     # threads that call transport.send (serving/sender.py SendWorkers); 1 = the sender thread itself
     sender_threads: int = 1
+    # the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py), so
+    # a stream may have max_inflight responses in flight across several instances, and its last response
+    # never waits for an ack
+    send_order: bool = False
 
 
 @dataclass
@@ -81,6 +85,7 @@ class ActiveRequest:
     # flow control (sender thread): seq of the next acked response; seq -> when it was sent
     seq: int = 0
     unacked: dict[int, float] = field(default_factory=dict)
+    order_slot: int | None = None  # its slot in the send-order table (send_order), from its first acked response
     # send workers (sender_threads > 1): responses handed to this request's worker (sender thread) and
     # delivered by it (the worker); one writer each
     handed: int = 0
@@ -99,8 +104,9 @@ class ActiveRequest:
         key = ""
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
+        slot = -1 if self.order_slot is None else self.order_slot
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs, ack)
+                                      self.parsed.omit_outputs, ack, slot)
 
 
 class EngineLoop:
@@ -118,7 +124,8 @@ class EngineLoop:
         self._active: dict[int, ActiveRequest] = {}
         # requests whose response could not be sent (client gone): the engine thread aborts them
         self._undeliverable: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._cancel_channel = CancelChannel()  # cancels that reach the detokenizer (see cancel.py)
+        # cancels that reach the detokenizer (see cancel.py), and the streams' send order across its instances
+        self._cancel_channel = CancelChannel(send_order=self.opt.send_order and self.opt.max_inflight > 0)
         self.sender = ResponseSender(transport, self.opt, self._cancel_channel, self._undeliverable_handle)
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)

@@ -78,13 +78,14 @@ def detokenizer_instances(model_dir: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def max_inflight(option: float, model_dir: str) -> int:
-    """detok_max_inflight: as set, or (0 = auto) 4 for a single detokenizer instance, else 1."""
+def max_inflight(option: float, model_dir: str, send_order: bool = False) -> int:
+    """detok_max_inflight: as set, or (0 = auto) 4 for a single detokenizer instance or with
+    detok_send_order (the instances keep each stream in order), else 1."""
     if option != int(option) or option < 0:
         raise ValueError(f"serving parameter detok_max_inflight must be a whole number >= 0, got {option:g}")
     if option:
         return int(option)
-    return 4 if detokenizer_instances(model_dir) == 1 else 1
+    return 4 if send_order or detokenizer_instances(model_dir) == 1 else 1
 
 
 class TritonTransport:
@@ -154,8 +155,10 @@ class FreetokenModel:
                 metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
-                max_inflight=max_inflight(self.options["detok_max_inflight"], args.get("model_repository", "")),
+                max_inflight=max_inflight(self.options["detok_max_inflight"], args.get("model_repository", ""),
+                                          bool(self.options["detok_send_order"])),
                 sender_threads=sender_threads(self.options),
+                send_order=bool(self.options["detok_send_order"]),
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,

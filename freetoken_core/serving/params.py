@@ -42,6 +42,10 @@ SERVING_DEFAULTS: dict[str, str] = {
     # instances (what keeps a stream in order across them), 4 with one instance (one queue: in order
     # anyway). While a stream is at the limit its tokens wait and merge into its next response.
     "detok_max_inflight": "0",
+    # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
+    # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
+    # stream's last response never waits for an ack. Needs the decoupled detokenizer (the default).
+    "detok_send_order": "0",
     # 1: the engine (scheduler, model, sampling) runs in a child process with a GIL of its own, and this
     # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine
     # thread runs in this process beside the sender (one GIL for both: slower at many streams).

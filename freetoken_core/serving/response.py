@@ -58,9 +58,9 @@ def build_outputs(
 # The slim ensemble response is ONE int32 tensor, `meta` (issue 13: the cost of a response follows its
 # tensor count, not its bytes: each tensor is a pb.Tensor to build in the stub, a shared-memory block to
 # send, an output for the server and an input of the detokenizer's request). Layout: a header of
-# META_HEADER values [flags, num_input_tokens, num_output_tokens, engine id, uid, seq, len(context),
-# len(next_tokens)], then the context window's tokens, then next_tokens.
-META_HEADER = 8
+# META_HEADER values [flags, num_input_tokens, num_output_tokens, engine id, uid, seq, order slot (-1:
+# none), len(context), len(next_tokens)], then the context window's tokens, then next_tokens.
+META_HEADER = 9
 # meta[0] bits
 META_FINISHED = 1
 META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8}
@@ -77,6 +77,8 @@ class EnsembleMeta:
     ack: tuple[int, int, int] | None
     context_tokens: np.ndarray
     next_tokens: np.ndarray
+    # (engine id, slot, uid, seq): wait for this stream's previous response first (serving/send_order.py)
+    order: tuple[int, int, int, int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -87,12 +89,13 @@ def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
     m = np.asarray(meta, dtype=np.int32).reshape(-1)
     if m.size < META_HEADER:
         raise ValueError(f"meta holds {m.size} values, fewer than its {META_HEADER}-value header")
-    flags, n_in, n_out, engine, uid, seq, n_ctx, n_new = (int(v) for v in m[:META_HEADER])
+    flags, n_in, n_out, engine, uid, seq, slot, n_ctx, n_new = (int(v) for v in m[:META_HEADER])
     if n_ctx < 0 or n_new < 0 or META_HEADER + n_ctx + n_new != m.size:
         raise ValueError(f"meta holds {m.size} values, but its header says {META_HEADER} + {n_ctx} context "
                          f"+ {n_new} new tokens")
     ack = (engine, uid, seq) if flags & META_ACK else None
-    return EnsembleMeta(flags, n_in, n_out, ack, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:])
+    order = (engine, slot, uid, seq) if ack is not None and slot >= 0 else None
+    return EnsembleMeta(flags, n_in, n_out, ack, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:], order)
 
 
 def build_ensemble_outputs(
@@ -105,6 +108,7 @@ def build_ensemble_outputs(
     cancel_key: str = "",
     omit: frozenset[str] = frozenset(),
     ack: tuple[int, int, int] | None = None,
+    order_slot: int = -1,
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
     response and nothing else. The tokens and every number go in `meta` (one tensor, layout above);
@@ -112,7 +116,9 @@ def build_ensemble_outputs(
     `cancel_key` only when the caller says it is due (EngineLoop: first response, then every cancel_check
     interval); spec_* and stop_reason are not ensemble outputs, so never sent. `ack` = (engine id, uid,
     seq): the detokenizer acks this response once it sent it on (serving/cancel.py AckSender; the
-    engine's flow control and per-stream order rest on it)."""
+    engine's flow control and per-stream order rest on it); `order_slot` >= 0 (with `ack`): the stream's
+    slot in the engine's order table, so that it is sent only after its previous response
+    (serving/send_order.py)."""
     flags = META_FINISHED if msg.finished else 0
     for name in omit:
         flags |= META_OMIT.get(name, 0)
@@ -121,7 +127,8 @@ def build_ensemble_outputs(
     engine, uid, seq = ack or (0, 0, 0)
     n_ctx, n_new = len(context_tokens), len(next_tokens)
     meta = np.empty(META_HEADER + n_ctx + n_new, dtype=np.int32)
-    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, n_ctx, n_new)
+    slot = order_slot if ack is not None else -1
+    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, slot, n_ctx, n_new)
     meta[META_HEADER:META_HEADER + n_ctx] = context_tokens
     meta[META_HEADER + n_ctx:] = next_tokens
     out = {"meta": meta}

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.cancel import CancelChannel
+from freetoken_core.serving.send_order import SlotAllocator
 
 if TYPE_CHECKING:
     from freetoken_core.serving.engine_loop import ActiveRequest, LoopOptions
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 ACK_UID_MASK = 0x7FFFFFFF  # uids travel in an int32 (response meta)
 REPORT_INTERVAL_S = 10.0
+RETIRE_GRACE_S = 1.0  # a slot whose stream ended without a last response through the detokenizer
 
 
 class Transport(Protocol):
@@ -133,6 +135,11 @@ class ResponseSender:
         # streams that wait for acks (masked uid -> request); whether acks come at all
         self._acked_streams: dict[int, ActiveRequest] = {}
         self._acks_seen = False
+        # send_order: slots of the order table; finished streams' slots wait here (masked uid -> slot, the
+        # seq of their last response or -1 when none goes through the detokenizer, since when) until that
+        # response is acked, so that no response still waiting on the slot sees it reused
+        self._slots = SlotAllocator(cancel_channel.order) if cancel_channel.order is not None else None
+        self._retiring: dict[int, tuple[int, int, float]] = {}
         self._flow_control = self.opt.max_inflight > 0
         self._report = SenderReport()
         self._workers = SendWorkers(options.sender_threads, self._deliver) if options.sender_threads > 1 else None
@@ -166,7 +173,8 @@ class ResponseSender:
         while not stopping:
             if self._outbox.empty():
                 timeout = None if not waiting else self.opt.ack_timeout_s / 4
-                fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if self._acked_streams else [])
+                listen = self._acked_streams or self._retiring
+                fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if listen else [])
                 try:
                     select.select(fds, [], [], timeout)
                 except (OSError, ValueError):
@@ -199,10 +207,13 @@ class ResponseSender:
                             self._send_stream(*entry)
                         if final:
                             self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
+                            self._retire(st, -1)
                     self._send(handle, outputs, error, final)
-            if self._acked_streams:
+            if self._acked_streams or self._retiring:
                 self._drain_acks()
             now = time.perf_counter()
+            if self._retiring:
+                self._free_retired(now)
             for uid in list(waiting):
                 st, msgs = waiting[uid]
                 if stopping or self._may_send(st, msgs, now):
@@ -220,7 +231,11 @@ class ResponseSender:
         if st.streamed and not finished and self.opt.stream_interval > 1:
             if sum(len(m.next_tokens) for m in msgs) < self.opt.stream_interval:
                 return False
-        if not st.unacked or len(st.unacked) < self.opt.max_inflight:
+        if st.order_slot is not None and finished:
+            return True  # the detokenizer keeps it behind the stream's earlier responses: no ack to wait for
+        # a stream without a slot (the table was full) keeps its order the old way: one in flight
+        window = self.opt.max_inflight if self._slots is None or st.order_slot is not None else 1
+        if not st.unacked or len(st.unacked) < window:
             return True
         # acks lost (or a detokenizer that sends none): such a response counts as delivered
         limit = self.opt.ack_lost_s if self._acks_seen else self.opt.ack_timeout_s
@@ -233,7 +248,7 @@ class ResponseSender:
             log.warning("the detokenizer acks no responses (an older model.py?): streaming without flow "
                         "control, so responses of one stream may overtake each other across instances")
             self._flow_control = False
-        return len(st.unacked) < self.opt.max_inflight
+        return len(st.unacked) < window
 
     def _drain_acks(self) -> None:
         streams = self._acked_streams
@@ -248,6 +263,24 @@ class ResponseSender:
                     sent = st.unacked.pop(acks[i + 1], None)
                     if sent is not None:
                         rtts.append(now - sent)
+                elif self._retiring:
+                    gone = self._retiring.get(acks[i])
+                    if gone is not None and gone[1] == acks[i + 1]:  # its last response went on: reuse the slot
+                        del self._retiring[acks[i]]
+                        self._slots.give_back(gone[0])
+
+    def _retire(self, st: "ActiveRequest", last_seq: int) -> None:
+        """A finished stream's slot waits for its last response's ack (last_seq), or, when no response of
+        it goes through the detokenizer any more (-1: an error, an abort), for a short grace."""
+        if st.order_slot is not None:
+            self._retiring[st.uid & ACK_UID_MASK] = (st.order_slot, last_seq, time.perf_counter())
+            st.order_slot = None
+
+    def _free_retired(self, now: float) -> None:
+        for uid, (slot, last_seq, since) in list(self._retiring.items()):
+            if now - since >= (self.opt.ack_lost_s if last_seq >= 0 else RETIRE_GRACE_S):
+                del self._retiring[uid]
+                self._slots.give_back(slot)
 
     def _send_stream(self, st: "ActiveRequest", msgs: list[DetokenizeMsg]) -> None:
         last = msgs[-1]
@@ -260,12 +293,17 @@ class ResponseSender:
             return
         now = time.perf_counter()
         ack = None
-        if st.cancel_key and st.parsed.detok_acks and not last.finished and self._flow_control:
+        ordered = self._slots is not None
+        # with send_order the last response is numbered and acked too: its ack frees the stream's slot
+        if st.cancel_key and st.parsed.detok_acks and self._flow_control and (ordered or not last.finished):
             uid = st.uid & ACK_UID_MASK
+            if ordered and st.seq == 0:
+                st.order_slot = self._slots.take(uid)
             ack = (self._cancel_channel.engine_id, uid, st.seq)
-            st.unacked[st.seq] = now
+            if not last.finished:
+                st.unacked[st.seq] = now
+                self._acked_streams[uid] = st
             st.seq += 1
-            self._acked_streams[uid] = st
         context = st.output_ids[st.window.start():]
         outputs = st.outputs(last, tokens, logprobs, context, "", now, ack)
         st.output_ids.extend(tokens)
@@ -273,6 +311,7 @@ class ResponseSender:
         st.streamed = True
         if last.finished:
             self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
+            self._retire(st, st.seq - 1 if ack is not None else -1)
         self._report.tokens += len(tokens)
         self._send(st.handle, outputs, None, last.finished, st)
 

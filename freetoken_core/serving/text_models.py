@@ -79,6 +79,13 @@ def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:
     return None if meta is None else read_ensemble_meta(meta).ack
 
 
+def order_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int, int] | None:
+    """(engine id, slot, uid, seq) of a response that must follow its stream's previous one across
+    detokenizer instances (serving/send_order.py), or None."""
+    meta = tensors.get("meta")
+    return None if meta is None else read_ensemble_meta(meta).order
+
+
 def forward_cancel(key: str) -> bool:
     """A detokenizer request that Triton marks cancelled: tell the engine (serving/cancel.py)."""
     return bool(key) and notify_cancel(key)

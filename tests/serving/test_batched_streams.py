@@ -27,27 +27,31 @@ N_STREAMS = 32
 PROMPTS = ["The capital of France is", MIXED, "def fibonacci(n):", "Once upon a time", "🐍🚀 emoji: "]
 
 
-@pytest.fixture(scope="module")
-def scaled_out(smollm2_path, tmp_path_factory):
+def _start_scaled(smollm2_path, workdir, env: dict[str, str], params: dict[str, str]):
     import os
 
     from freetoken_core.serving.launcher import start_server
     from tests.serving.conftest import SERVER_PARAMS
 
-    workdir = tmp_path_factory.mktemp("triton2")
-    env = {"FREETOKEN_DETOKENIZER_INSTANCES": "2", "FREETOKEN_FREETOKEN_INSTANCES": "2"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        handle = start_server({**SERVER_PARAMS, "model_path": smollm2_path, "detok_max_inflight": "1",
-                               "sender_threads": "4"},
-                              repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
+        return start_server({**SERVER_PARAMS, "model_path": smollm2_path, **params},
+                            repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
     finally:
         for k, v in old.items():
             if v is None:
                 del os.environ[k]
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def scaled_out(smollm2_path, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("triton2")
+    handle = _start_scaled(smollm2_path, workdir,
+                           {"FREETOKEN_DETOKENIZER_INSTANCES": "2", "FREETOKEN_FREETOKEN_INSTANCES": "2"},
+                           {"detok_max_inflight": "1", "sender_threads": "4"})
     for model in ("detokenizer", "freetoken"):
         assert "count: 2" in (workdir / "repo" / model / "config.pbtxt").read_text()
     log = (workdir / "tritonserver.log").read_text()
@@ -61,7 +65,24 @@ def scaled_out(smollm2_path, tmp_path_factory):
     assert set(counts) == {0, 1} and min(counts.values()) > 0, counts
 
 
-@pytest.mark.parametrize("server", ["triton_server", "scaled_out"])
+@pytest.fixture(scope="module")
+def ordered_out(smollm2_path, tmp_path_factory):
+    """Two detokenizer instances that keep each stream in order themselves (detok_send_order): four
+    responses of a stream may be in flight at once, across both instances."""
+    workdir = tmp_path_factory.mktemp("triton-ordered")
+    handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
+                           {"detok_send_order": "1"})
+    assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
+    from freetoken_core.serving.launcher import get_parameter
+
+    assert get_parameter((workdir / "repo" / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
+    yield handle
+    handle.stop()
+    log = (workdir / "tritonserver.log").read_text()
+    assert "for the one before it" not in log  # no response ever waited out its turn (send_order.py)
+
+
+@pytest.mark.parametrize("server", ["triton_server", "scaled_out", "ordered_out"])
 def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_llm):
     triton_server = request.getfixturevalue(server)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(N_STREAMS)]

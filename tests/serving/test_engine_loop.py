@@ -123,6 +123,23 @@ def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(ll
     assert len(direct) == 1 and "probe" not in direct[0][0] and "cancel_key" not in direct[0][0]
 
 
+def run_acked_streams(llm, prompts, params, transport: RecordingTransport, options: LoopOptions,
+                      before_stop=None) -> None:
+    """Stream every prompt as the ensemble's tokenizer step would send it (cancel key, acks asked for)."""
+    transport.expected = len(prompts)
+    loop = EngineLoop(llm.scheduler, transport, options)
+    loop.start()
+    try:
+        for i, p in enumerate(prompts):
+            loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True,
+                                               return_cancel_key=True, detok_acks=True))
+        assert transport.done.wait(120)
+        if before_stop is not None:
+            before_stop(loop)
+    finally:
+        loop.stop()
+
+
 class AckingTransport(RecordingTransport):
     """The ensemble's detokenizer as the engine sees it: acks each streamed response `ack_delay_s`
     after its send (serving/cancel.py AckSender), and records the most responses a request ever had
@@ -143,13 +160,16 @@ class AckingTransport(RecordingTransport):
         ack_ids = None if meta is None else read_ensemble_meta(meta).ack
         if ack_ids is None:
             return
+        counted = not final  # a last response (acked only with send_order) never counts in the window
         with self.lock:
-            self.unacked[handle] = self.unacked.get(handle, 0) + 1
-            self.most_unacked = max(self.most_unacked, self.unacked[handle])
+            if counted:
+                self.unacked[handle] = self.unacked.get(handle, 0) + 1
+                self.most_unacked = max(self.most_unacked, self.unacked[handle])
 
         def ack() -> None:
             with self.lock:
-                self.unacked[handle] -= 1
+                if counted:
+                    self.unacked[handle] -= 1
                 self.acks.add(*ack_ids)
                 self.acks.flush()
 
@@ -180,16 +200,7 @@ def test_flow_control_merges_only_while_the_detokenizer_is_behind(llm, ack_delay
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     expected = llm.generate(prompts, params)
     transport = AckingTransport(ack_delay_s)
-    transport.expected = len(prompts)
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1))
-    loop.start()
-    try:
-        for i, p in enumerate(prompts):
-            loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True,
-                                               return_cancel_key=True, detok_acks=True))
-        assert transport.done.wait(120)
-    finally:
-        loop.stop()
+    run_acked_streams(llm, prompts, params, transport, LoopOptions(max_inflight=1))
     assert transport.most_unacked == 1
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]

@@ -3,18 +3,21 @@
 Decoupled (config.pbtxt): each request's response goes out with `send()` inside execute, and only
 then is it acked to the engine (serving/cancel.py AckSender): the engine keeps a stream's next
 response back until the previous one is acked, which keeps every stream in order across several
-instances of this model and merges tokens only while this model is behind. A plain (not decoupled)
-config works too (one response per request, returned from execute; acked just before the return):
-then run a single instance, or responses of one stream may overtake each other."""
+instances of this model and merges tokens only while this model is behind (with detok_send_order the
+instances keep that order themselves, serving/send_order.py, and a stream may have several responses in
+flight). A plain (not decoupled) config works too (one response per request, returned from execute; acked
+just before the return, so without detok_send_order): then run a single instance, or responses of one
+stream may overtake each other."""
 
 import json
 import time
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter
+from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter, channel_dir
+from freetoken_core.serving.send_order import SendOrder
 from freetoken_core.serving.text_models import (
-    ack_of, cancel_key_of, detokenize_response, forward_cancel, is_probe,
+    ack_of, cancel_key_of, detokenize_response, forward_cancel, is_probe, order_of,
 )
 from freetoken_core.serving.triton_io import respond_each, model_tokenizer, send_each
 
@@ -28,6 +31,7 @@ class TritonPythonModel:
         self.cancel_checks = CancelCheckLimiter()  # is_cancelled() is an IPC round trip
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.acks = AckSender()
+        self.order = SendOrder(channel_dir)  # a stream's responses in order across instances (detok_send_order)
 
     def _detokenize(self, request, tensors):
         # the client cancelled the ensemble: stop the engine too (probes come rate-limited by the engine)
@@ -37,9 +41,16 @@ class TritonPythonModel:
             forward_cancel(key)
         if probe and self.decoupled:
             return None  # the FINAL flag alone: nothing reaches the client
-        return detokenize_response(self.tok, tensors)
+        out = detokenize_response(self.tok, tensors)
+        order = order_of(tensors)
+        if order is not None:  # another instance may still have this stream's previous response
+            self.order.wait_turn(*order)
+        return out
 
     def _sent(self, tensors):
+        order = order_of(tensors)
+        if order is not None:
+            self.order.sent(*order)
         ack = ack_of(tensors)
         if ack is not None:
             self.acks.add(*ack)

@@ -1,0 +1,108 @@
+"""detok_send_order (serving/send_order.py): detokenizer instances keep each stream's responses in order
+through a shared order table, so the engine may keep several responses of a stream in flight."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.response import read_ensemble_meta
+from freetoken_core.serving.send_order import ORDER_FILE, OrderTable, SendOrder, SlotAllocator
+from freetoken_core.serving.text_models import detokenize_response, order_of
+from test_engine_loop import AckingTransport, run_acked_streams
+
+
+def test_a_response_waits_for_the_one_before_it_and_slots_never_go_back(tmp_path):
+    engine = OrderTable(tmp_path / ORDER_FILE, create=True, slots=8)
+    detok = OrderTable(tmp_path / ORDER_FILE, create=False)  # what another process maps
+    assert detok.slots == 8
+    slots = SlotAllocator(engine)
+    slot = slots.take(tag=77)
+    assert detok.wait_turn(slot, 77, 0, timeout_s=0.0)  # a stream's first response never waits
+    t0 = time.monotonic()
+    assert not detok.wait_turn(slot, 77, 1, timeout_s=0.05) and time.monotonic() - t0 >= 0.05
+    detok.sent(slot, 77, 0)
+    assert detok.wait_turn(slot, 77, 1, timeout_s=0.0)
+    detok.sent(slot, 77, 3)  # one that went after a timeout moves the slot on...
+    detok.sent(slot, 77, 1)  # ...and a late one never moves it back
+    assert detok.wait_turn(slot, 77, 4, timeout_s=0.0)
+    detok.sent(slot, 5, 4)  # another stream's responses never touch this slot
+    assert detok.wait_turn(slot, 77, 4, timeout_s=0.0)
+    slots.give_back(slot)
+    again = slots.take(tag=78)  # a reused slot starts over for its new stream; the old one's ids miss it
+    assert again == slot and detok.wait_turn(slot, 78, 0, timeout_s=0.0)
+    assert not detok.wait_turn(slot, 77, 4, timeout_s=0.0)
+    assert not detok.wait_turn(99, 78, 0, timeout_s=0.0)  # a slot outside the table: nothing to wait for
+    assert [slots.take(tag=t) is not None for t in range(8)] == [True] * 7 + [False]  # full: no slot
+
+
+def test_two_instances_taking_a_streams_responses_out_of_order_send_them_in_order(tmp_path):
+    """Two workers (the instances) take a stream's responses alternately, the later one often first;
+    each waits its turn, so what they send comes out in seq order."""
+    engine = OrderTable(tmp_path / ORDER_FILE, create=True, slots=4)
+    slot = SlotAllocator(engine).take(tag=9)
+    orders = [SendOrder(lambda _engine_id: tmp_path) for _ in range(2)]
+    sent: list[int] = []
+    lock = threading.Lock()
+    rng = random.Random(0)
+    delays = [rng.uniform(0, 0.004) for _ in range(60)]
+
+    def instance(k: int) -> None:
+        for seq in range(k, 60, 2):
+            time.sleep(delays[seq])  # detokenizing: the two take different times
+            orders[k].wait_turn(1, slot, 9, seq)
+            with lock:
+                sent.append(seq)
+            orders[k].sent(1, slot, 9, seq)
+
+    threads = [threading.Thread(target=instance, args=(k,)) for k in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sent == list(range(60))
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path, dtype="float32", max_running_req=8)
+
+
+def test_engine_numbers_each_streams_responses_and_keeps_several_in_flight(llm):
+    """With send_order the engine gives each acked stream a slot and numbers all of its responses, the last
+    one too; up to max_inflight are unacked at once (late acks), tokens and text stay exact, and every slot
+    is free again once the last responses are acked."""
+    prompts = ["Write one sentence about cats.", "数到五"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = AckingTransport(ack_delay_s=0.15)
+
+    def slots_come_back(loop: EngineLoop) -> None:  # once the last responses are acked
+        slots = loop.sender._slots
+        deadline = time.monotonic() + 10
+        while len(slots._free) != slots.table.slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(slots._free) == slots.table.slots
+
+    run_acked_streams(llm, prompts, params, transport, LoopOptions(max_inflight=4, send_order=True),
+                      before_stop=slots_come_back)
+    assert 1 < transport.most_unacked <= 4
+    slots = set()
+    for i, exp in enumerate(expected):
+        responses = transport.sent[f"h{i}"]
+        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
+        orders = [order_of(out) for out, _, _ in responses]
+        assert all(o is not None for o in orders)
+        assert [o[3] for o in orders] == list(range(len(responses)))  # seq 0, 1, ... the last one included
+        slots |= {o[1] for o in orders}
+        metas = [read_ensemble_meta(out["meta"]) for out, _, _ in responses]
+        assert [t for m in metas for t in m.next_tokens.tolist()] == exp.token_ids
+        text = "".join(detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8")
+                       for out, _, _ in responses)
+        assert text == exp.text
+    assert len(slots) == len(prompts)  # one slot per stream
