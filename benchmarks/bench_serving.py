@@ -36,6 +36,9 @@ TEXT = (
 # Architectures by name: config.json fields over SmolLM2-135M's (Llama, vocab 49152, tied embeddings)
 SHAPES: dict[str, dict] = {
     "smollm2-135m": {},
+    # two layers of width 64: an engine step of a few ms on a CPU, so that the served path's own costs show
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "head_dim": 16},
     "llama-3.2-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
                      "num_key_value_heads": 8, "intermediate_size": 8192, "head_dim": 64, "vocab_size": 49152,
                      "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}},
@@ -158,7 +161,9 @@ def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, conc
 
 
 def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
-                 stream: bool = True) -> float:
+                 stream: bool = True) -> tuple[float, float]:
+    """Output tok/s through the ensemble (gRPC streams, a closed loop of `concurrency` clients), and the
+    mean tokens per response."""
     import tritonclient.grpc as grpcclient
 
     from freetoken_core.serving.launcher import start_server
@@ -174,6 +179,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
         client = grpcclient.InferenceServerClient(handle.grpc_url)
         done: queue.Queue = queue.Queue()
         counts: dict[str, int] = {}
+        responses = [0]
 
         def on_response(result, error):
             if error is not None:
@@ -182,6 +188,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
             resp = result.get_response()
             if resp.outputs:
                 counts[resp.id] = counts.get(resp.id, 0) + result.as_numpy("next_tokens").size
+                responses[0] += 1
             if resp.parameters["triton_final_response"].bool_param:
                 done.put(("done", resp.id))
 
@@ -200,6 +207,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
 
         def run(batch: list[str]) -> float:
             counts.clear()
+            responses[0] = 0
             sent = 0
             t0 = time.perf_counter()
             while sent < min(concurrency, len(batch)):
@@ -222,7 +230,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
         dt = run(prompts)
         n = sum(counts.values())
         client.stop_stream()
-        return n / dt
+        return n / dt, n / max(responses[0], 1)
     finally:
         handle.stop()
 
@@ -278,9 +286,10 @@ def main() -> int:
             offline = bench_offline(model_path, all_prompts[:n], args.output_tokens, c, engine_kw, args.rounds)
             print(f"concurrency {c}: in-process LLM {offline:8.1f} output tok/s", flush=True)
         if args.only != "offline":
-            served = bench_triton(model_path, prompts, args.output_tokens, c, engine_kw, not args.no_stream)
+            served, per_response = bench_triton(model_path, prompts, args.output_tokens, c, engine_kw,
+                                                not args.no_stream)
             print(f"concurrency {c}: tritonserver {'stream' if not args.no_stream else 'single'} {served:8.1f} "
-                  "output tok/s", flush=True)
+                  f"output tok/s, {per_response:.2f} tokens per response", flush=True)
         loops = []
         for d in args.closed_loop_ms:
             rate, prefills = bench_closed_loop(model_path, prompts, args.output_tokens, c, engine_kw, d)
