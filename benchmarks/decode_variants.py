@@ -112,53 +112,6 @@ def _gdn_small_batch_tile(bv: int, warps: int, stages: int) -> Callable[[], None
     return patch
 
 
-def _plan_then(clear: Callable[[object], None]) -> None:
-    """Wrap models.blocks.plan_l2_prefetch: after it, `clear(layer)` for every decoder layer."""
-    from freetoken_core.models import blocks
-
-    plan = blocks.plan_l2_prefetch
-
-    def planned(model):
-        n = plan(model)
-        for layer in model.modules():
-            if isinstance(layer, blocks.DecoderLayer):
-                clear(layer)
-        return n
-
-    blocks.plan_l2_prefetch = planned
-
-
-def _pf_no_router() -> None:
-    """With FREETOKEN_L2_PREFETCH=1: the MoE routers do not prefetch the shared expert's gate/up."""
-    def clear(layer):
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None and hasattr(gate, "l2_prefetch"):
-            gate.l2_prefetch = None
-    _plan_then(clear)
-
-
-def _pf_no_next() -> None:
-    """With FREETOKEN_L2_PREFETCH=1: the MoE top-k does not prefetch the next layer's input projection."""
-    def clear(layer):
-        if hasattr(layer.mlp, "next_weight_prefetch"):
-            layer.mlp.next_weight_prefetch = None
-    _plan_then(clear)
-
-
-def _pf_no_evict() -> None:
-    """With FREETOKEN_L2_PREFETCH=1: the expert GEMVs load their weights without the evict-first hint."""
-    from freetoken_core.kernels import moe_gemv
-
-    moe_gemv.expert_weight_eviction = lambda: ""
-
-
-def _pf_no_down() -> None:
-    """With FREETOKEN_L2_PREFETCH=1: the MoE gate/up GEMV does not prefetch the routes' down weights."""
-    from freetoken_core.kernels import l2_prefetch
-
-    l2_prefetch.expert_rows_target = lambda w2, x, routes: None  # its only caller: moe_gemv_gate_up
-
-
 def _lm_cublas() -> None:
     """The LM head's one-row logits on cuBLAS (F.linear), as before the LM head took the Triton GEMV."""
     from freetoken_core.layers import embedding
@@ -193,10 +146,6 @@ VARIANTS: dict[str, Callable[[], None]] = {
     "attn_bn64": _attn_kw("Decode attention blocks of 64 keys.", block_n=64),
     "down_after_wait": _down_after_wait,
     "lm_cublas": _lm_cublas,
-    "pf_no_router": _pf_no_router,
-    "pf_no_next": _pf_no_next,
-    "pf_no_evict": _pf_no_evict,
-    "pf_no_down": _pf_no_down,
     "gdn_bv8": _gdn_small_batch_tile(8, 1, 3),
     "gdn_bv32": _gdn_small_batch_tile(32, 1, 1),
     "gdn_bv16s1": _gdn_small_batch_tile(16, 1, 1),

@@ -56,11 +56,6 @@ class KernelEnv:
     rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
-    # FREETOKEN_L2_PREFETCH: batch-1 launches before stretches that leave HBM idle (attention, the GDN recurrence,
-    # the MoE top-k) prefetch into L2 the weights read after them, and expert loads carry an evict-first hint
-    # (kernels/l2_prefetch.py, models/blocks.py plan_l2_prefetch; Hopper). Off: measured much slower on the H200
-    # (Qwen3.6 batch 1 2.45 -> 3.59 ms a step, Qwen3-30B-A3B 2.37 -> 4.06; benchmarks/RESULTS.md, fifteenth session).
-    l2_prefetch: bool = False
 
     @staticmethod
     def variable(field_name: str) -> str:

@@ -76,21 +76,14 @@ def to_ttir(fn, signature: dict[str, str], constexprs: dict[str, object], option
     src.make_ir(TARGET, opts, backend.get_codegen_implementation(opts), backend.get_module_map(), context)
 
 
-# constexpr switches that only a GPU launch turns on (the interpreter cannot run their branches)
-GPU_ONLY = ("USE_PDL", "PREFETCH", "PREFETCH_DOWN")
-
-
 def with_pdl(launches: list[dict]) -> list[dict]:
     """Each launch that ran without PDL (USE_PDL false: the interpreter never chains kernels) once more as
     the GPU launches it, with PDL: the branches that load weights or expert ids before the PDL wait exist
-    only there. The same variant turns on the L2 prefetch (PREFETCH: inline PTX, GPU only) where a kernel has it."""
+    only there."""
     extra = []
     for rec in launches:
         if rec["args"].get("USE_PDL") == ["const", False]:
-            on = {name: ["const", True] for name in GPU_ONLY if rec["args"].get(name) == ["const", False]}
-            if rec["args"].get("W_EVICT") == ["const", ""]:  # the expert loads' L2 hint (FREETOKEN_L2_PREFETCH)
-                on["W_EVICT"] = ["const", "evict_first"]
-            extra.append({**rec, "args": {**rec["args"], **on}})
+            extra.append({**rec, "args": {**rec["args"], "USE_PDL": ["const", True]}})
     return launches + extra
 
 

@@ -73,7 +73,6 @@ class Engine:
             raise
 
     def _build(self, config: EngineConfig) -> None:
-        from ..models.blocks import plan_l2_prefetch
         from ..models.loader import load_model
 
         self.moe_strategy = self._moe_strategy()
@@ -83,7 +82,6 @@ class Engine:
         self._fuse_shared_experts()
         if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain
             use_gemv_for_all_sizes(self.model, rows=config.speculative is not None)
-            plan_l2_prefetch(self.model)  # used only with FREETOKEN_L2_PREFETCH=1 (kernels/l2_prefetch.py)
         model_max = int(getattr(self.model.config, "max_position_embeddings", MAX_DEFAULT_SEQ_LEN) or MAX_DEFAULT_SEQ_LEN)
         self.max_seq_len = config.max_seq_len or min(model_max, MAX_DEFAULT_SEQ_LEN)
         if hasattr(self.model, "ensure_positions"):  # a max_seq_len past the model's own limit

@@ -22,8 +22,6 @@ import torch
 
 # Being in freetoken_core.kernels, this module runs after the package's __init__, which decides
 # TRITON_INTERPRET before the first `import triton`.
-from ..env import kernel_env
-from . import l2_prefetch
 from .fused_moe_configs import Config, down_routes, get_decode_config
 from .pdl import pdl_launch
 
@@ -31,15 +29,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from .jit_util import round_to, silu_mul_rounded  # noqa: E402
-from .l2_prefetch import l2_prefetch_share  # noqa: E402
 from .pdl_jit import pdl_wait_then_release  # noqa: E402
-
-
-def expert_weight_eviction() -> str:
-    """The L2 eviction hint of the expert weights' loads: "evict_first" with FREETOKEN_L2_PREFETCH (read once a
-    step, they should not push out of L2 the weights prefetched for the kernels after them: models/blocks.py
-    plan_l2_prefetch), else none."""
-    return "evict_first" if kernel_env().l2_prefetch else ""
 
 
 def check_expert_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -55,7 +45,7 @@ def check_expert_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 @triton.jit
 def _gate_up_gemv(x_row, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn, stride_ar, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, W_EVICT: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     # act[r, n] = silu(w13[e, n] . x) * (w13[e, I + n] . x) for this program's BLOCK_N columns n
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -71,32 +61,24 @@ def _gate_up_gemv(x_row, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn, 
         else:
             mask = n_ok[:, None] & (offs_k < H)[None, :]
             xk = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0).to(tl.float32)
-        w_g = tl.load(w_gate + offs_k[None, :], mask=mask, other=0.0, eviction_policy=W_EVICT)
-        w_u = tl.load(w_up + offs_k[None, :], mask=mask, other=0.0, eviction_policy=W_EVICT)
-        acc += w_g.to(tl.float32) * xk[None, :]
-        acc_up += w_u.to(tl.float32) * xk[None, :]
+        acc += tl.load(w_gate + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * xk[None, :]
+        acc_up += tl.load(w_up + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * xk[None, :]
     out_ty = act_ptr.dtype.element_ty
     act = silu_mul_rounded(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), out_ty)
     tl.store(act_ptr + r * stride_ar + offs_n, act.to(out_ty), mask=n_ok)
 
 
 @triton.jit
-def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, w2_ptr, w2_expert_bytes, I, H, stride_xt, stride_we,
-                             stride_wn, stride_ar, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, W_EVICT: tl.constexpr,
-                             PREFETCH_DOWN: tl.constexpr = False, PF_LANES: tl.constexpr = 128):
+def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, I, H, stride_xt, stride_we, stride_wn,
+                             stride_ar, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     # route r = t * TOP_K + j runs expert e = ids[r] on token t
-    # PREFETCH_DOWN (FREETOKEN_L2_PREFETCH): then each program asks L2 for its share of the route's down weights
-    # (w2 as bytes, w2_expert_bytes an expert), which the down GEMV reads next (kernels/l2_prefetch.py).
     r = tl.program_id(0).to(tl.int64)
     if USE_PDL:  # the expert id is an activation: nothing can be prefetched before the wait
         pdl_wait_then_release()
     expert = tl.load(ids_ptr + r).to(tl.int64)
     _gate_up_gemv(x_ptr + (r // TOP_K) * stride_xt, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn,
-                  stride_ar, BLOCK_N, BLOCK_K, EVEN_K, W_EVICT)
-    if PREFETCH_DOWN:
-        l2_prefetch_share(w2_ptr + expert * w2_expert_bytes, w2_expert_bytes, tl.program_id(1), tl.num_programs(1),
-                          PF_LANES)
+                  stride_ar, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit
@@ -116,7 +98,7 @@ def _down_tiles(a_rows, w_rows, j_ok, rows_ok, k0, I, BLOCK_K: tl.constexpr, EVE
 def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H, I, stride_ar, stride_we,
                           stride_wn, stride_ot, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                          IDS_BEFORE_WAIT: tl.constexpr, W_EVICT: tl.constexpr):
+                          IDS_BEFORE_WAIT: tl.constexpr):
     # out[t, n] = sum_j round(w2[e_j, n] . act[t * TOP_K + j]) * weight_j. All k routes of token t are one
     # [BLOCK_R, BLOCK_N, BLOCK_K] tile, so their weight rows stream together (a loop over the routes
     # would leave each program one route's rows in flight); the k products are summed in fp32.
@@ -139,7 +121,7 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H,
     k_start = 0
     if USE_PDL and IDS_BEFORE_WAIT:
         a_ptrs, a_mask, w_ptrs, w_mask = _down_tiles(a_rows, w_rows, j_ok, rows_ok, 0, I, BLOCK_K, EVEN_K)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         pdl_wait_then_release()  # act is the gate/up GEMV's output
         a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a[:, None, :]
@@ -147,7 +129,7 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H,
     for k0 in range(k_start, I, BLOCK_K):
         a_ptrs, a_mask, w_ptrs, w_mask = _down_tiles(a_rows, w_rows, j_ok, rows_ok, k0, I, BLOCK_K, EVEN_K)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)  # [R, K]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc += w.to(tl.float32) * a[:, None, :]
     out_ty = out_ptr.dtype.element_ty
     weights = tl.load(topk_weights_ptr + routes, mask=j_ok, other=0.0)
@@ -183,7 +165,7 @@ def _down_accumulate(w, a, part, y, it, r, topk_weights_ptr, out_ty: tl.constexp
 def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H, I, stride_ar, stride_we,
                                stride_wn, stride_ot, TOP_K: tl.constexpr, K_CHUNKS: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                               IDS_BEFORE_WAIT: tl.constexpr, W_EVICT: tl.constexpr):
+                               IDS_BEFORE_WAIT: tl.constexpr):
     # The route loop (tile "routes": "loop"): as _moe_gemv_down_kernel, but one flat loop over (route j, K chunk)
     # in route order, one weight tile [BLOCK_N, BLOCK_K] at a time, pipelined by Triton: registers do not grow
     # with k. Where k is not a power of two the all-routes tile pads it (k + 1 = 9 with a stacked shared expert:
@@ -200,7 +182,7 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
         if IDS_BEFORE_WAIT:
             r, a_ptrs, k_ok, w_ptrs, w_mask = _down_chunk(act_ptr, w_ptr, ids_ptr, t, 0, offs_n, n_ok, I, stride_ar,
                                                           stride_we, stride_wn, TOP_K, K_CHUNKS, BLOCK_K)
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             pdl_wait_then_release()  # act is the gate/up GEMV's output
             a = tl.load(a_ptrs, mask=k_ok, other=0.0)
             part, y = _down_accumulate(w, a, part, y, 0, r, topk_weights_ptr, out_ty, K_CHUNKS)
@@ -211,32 +193,25 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
         r, a_ptrs, k_ok, w_ptrs, w_mask = _down_chunk(act_ptr, w_ptr, ids_ptr, t, it, offs_n, n_ok, I, stride_ar,
                                                       stride_we, stride_wn, TOP_K, K_CHUNKS, BLOCK_K)
         a = tl.load(a_ptrs, mask=k_ok, other=0.0)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy=W_EVICT)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         part, y = _down_accumulate(w, a, part, y, it, r, topk_weights_ptr, out_ty, K_CHUNKS)
     tl.store(out_ptr + t * stride_ot + offs_n, y.to(out_ty), mask=n_ok)
 
 
 def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
-                     config: Config | None = None, prefetch_down: torch.Tensor | None = None) -> torch.Tensor:
-    """act [T*k, I] = silu(gate) * up of each route's expert, reading only the chosen experts' rows.
-    prefetch_down: the down weights w2 [E, H, I], whose routed blocks the programs then pull into L2 for the
-    down GEMV (FREETOKEN_L2_PREFETCH; `l2_prefetch.expert_rows_target` decides; no value changes)."""
+                     config: Config | None = None) -> torch.Tensor:
+    """act [T*k, I] = silu(gate) * up of each route's expert, reading only the chosen experts' rows."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     cfg = config or get_decode_config(num_experts, hidden, two_i // 2, x.dtype)["gate_up"]
     act = torch.empty((num_tokens * top_k, two_i // 2), dtype=x.dtype, device=x.device)
     grid = (num_tokens * top_k, triton.cdiv(two_i // 2, cfg["BLOCK_N"]))
-    w2 = l2_prefetch.expert_rows_target(prefetch_down, x, num_tokens * top_k)
-    w2_expert_bytes = 0 if w2 is None else w2.numel() // prefetch_down.shape[0]
     _moe_gemv_gate_up_kernel[grid](
-        x, w13, topk_ids, act, w2 if w2 is not None else act, w2_expert_bytes, two_i // 2, hidden, x.stride(0),
-        w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EVEN_K=hidden % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        W_EVICT=expert_weight_eviction(), PREFETCH_DOWN=w2 is not None, PF_LANES=32 * cfg["num_warps"],
-        **pdl_launch(x),
+        x, w13, topk_ids, act, two_i // 2, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x),
     )
     return act
-
 
 
 def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -252,7 +227,7 @@ def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
     args = (act, w2, topk_ids, topk_weights, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
             out.stride(0))
     launch = dict(TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                  IDS_BEFORE_WAIT=after_gate_up, W_EVICT=expert_weight_eviction(), **pdl_launch(act))
+                  IDS_BEFORE_WAIT=after_gate_up, **pdl_launch(act))
     if down_routes(cfg, top_k) == "loop":
         block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(inter))
         _moe_gemv_down_loop_kernel[grid](*args, K_CHUNKS=triton.cdiv(inter, block_k), BLOCK_K=block_k, **launch)
@@ -270,5 +245,5 @@ def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if x.shape[0] == 0:
         return torch.empty_like(x)
     config = config or get_decode_config(w13.shape[0], w13.shape[2], w2.shape[2], x.dtype)
-    act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"], prefetch_down=w2)
+    act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"])
     return moe_gemv_down(act, w2, topk_weights, topk_ids, config["down"], after_gate_up=True)

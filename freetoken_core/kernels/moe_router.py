@@ -15,13 +15,11 @@ import torch
 
 # Being in freetoken_core.kernels, this module runs after the package's __init__, which decides
 # TRITON_INTERPRET before the first `import triton`.
-from . import l2_prefetch
 from .pdl import pdl_launch
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .l2_prefetch import l2_prefetch_share  # noqa: E402
 from .pdl_jit import pdl_wait_then_release  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------- router
@@ -96,14 +94,10 @@ def rank_when_last(logits_ptr, count_ptr, weights_ptr, ids_ptr, E, TOP_K: tl.con
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, pf_ptr, pf_bytes, TOP_K: tl.constexpr,
+def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, TOP_K: tl.constexpr,
                          RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SHARED: tl.constexpr, OUT_K: tl.constexpr, USE_PDL: tl.constexpr,
-                         PREFETCH: tl.constexpr = False, PF_LANES: tl.constexpr = 32):
+                         SHARED: tl.constexpr, OUT_K: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if PREFETCH:  # a weight read after the experts (the next layer's input projection): nothing writes it, so
-        # before the PDL wait, while the router GEMV still runs (kernels/l2_prefetch.py)
-        l2_prefetch_share(pf_ptr, pf_bytes, tl.program_id(0), tl.num_programs(0), PF_LANES)
     if USE_PDL:
         pdl_wait_then_release()
     probs = _router_probs(logits_ptr, row, E, stride_l, BLOCK_E, "")
@@ -114,13 +108,10 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, E, stride_l, pf_ptr, 
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 shared_expert: bool = False,
-                 prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights fp32 [T, k], ids int32 [T, k]); see `topk_softmax_ref`.
     shared_expert: the logits are [T, E + 1], the last column the shared expert's gate, and the routing
-    [T, k + 1] ends with it (`topk_softmax_shared_ref`): one launch for the router's top-k and the gate.
-    prefetch: a weight whose first bytes the launch pulls into L2 (`l2_prefetch.prefix_target` decides;
-    FREETOKEN_L2_PREFETCH); no value changes."""
+    [T, k + 1] ends with it (`topk_softmax_shared_ref`): one launch for the router's top-k and the gate."""
     num_tokens, width = router_logits.shape
     num_experts = width - int(shared_expert)
     assert 1 <= top_k <= num_experts and router_logits.stride(1) == 1
@@ -130,12 +121,9 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if num_tokens == 0:
         return weights, ids
     block_e = triton.next_power_of_2(num_experts)
-    warps = 4 if block_e >= 512 else 1
-    pf = l2_prefetch.launch_args(l2_prefetch.prefix_target(prefetch, router_logits), weights)
     _topk_softmax_kernel[(num_tokens,)](
-        router_logits, weights, ids, num_experts, router_logits.stride(0), pf["pf_ptr"], pf["pf_bytes"], TOP_K=top_k,
+        router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
         RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        SHARED=bool(shared_expert), OUT_K=out_k, num_warps=warps, PREFETCH=pf["PREFETCH"], PF_LANES=32 * warps,
-        **pdl_launch(router_logits),
+        SHARED=bool(shared_expert), OUT_K=out_k, num_warps=4 if block_e >= 512 else 1, **pdl_launch(router_logits),
     )
     return weights, ids

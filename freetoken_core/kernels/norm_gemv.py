@@ -14,11 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import l2_prefetch
 from .fused_ops import rms_scaled
 from .gemv import _ROUTER_TILE, _w_tile
 from .gemv_ref import norm_gemv_reference  # noqa: F401  (the reference, beside its kernel)
-from .l2_prefetch import l2_prefetch_share
 from .moe_router import rank_when_last
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
@@ -69,13 +67,12 @@ def _norm_gemv_tile(k0, x_ptr, r_ptr, g_ptr, h_ptr, w, wu, acc, acc_up, ss, pid,
 
 @triton.jit
 def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, route_w_ptr, route_i_ptr, count_ptr,
-                      N, K, stride_wn, up_offset, eps, pf_ptr, pf_bytes,
+                      N, K, stride_wn, up_offset, eps,
                       NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                       ZERO_CENTERED: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
                       TOP_K: tl.constexpr = 0, RENORMALIZE: tl.constexpr = False, SHARED: tl.constexpr = False,
-                      BLOCK_E: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1, PREFETCH: tl.constexpr = False,
-                      PF_LANES: tl.constexpr = 128):
+                      BLOCK_E: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1):
     # y = W (RMSNorm(x + r) * g) in one pass: every program reads the whole (small, L2-resident) input
     # row anyway, so it also sums its squares and scales its dot products by rstd at the end. Program
     # 0 writes h = x + r (the next residual) to a separate buffer, as the others are still reading r.
@@ -85,8 +82,6 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, ro
     # take the normed row).
     # TOP_K > 0 (the MoE router, FREETOKEN_ROUTER_TOPK_FUSED): y are router logits and the last program to
     # finish ranks them (moe_router.rank_when_last): the routes [1, TOP_K (+1 SHARED)] come out of this launch.
-    # PREFETCH (FREETOKEN_L2_PREFETCH): once its rows are stored, each program asks L2 for its share of the
-    # next weight (kernels/l2_prefetch.py: the mixer's output projection, read after the attention / GDN kernels).
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -138,8 +133,6 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, ro
         up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
     tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
-    if PREFETCH:
-        l2_prefetch_share(pf_ptr, pf_bytes, pid, tl.num_programs(0), PF_LANES)
     if TOP_K > 0:
         rank_when_last(y_ptr, count_ptr, route_w_ptr, route_i_ptr, N - SHARED, TOP_K, RENORMALIZE, SHARED, BLOCK_E,
                        BLOCK_TK, TOP_K + SHARED)
@@ -148,27 +141,24 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, b_ptr, y_ptr, h_ptr, n_ptr, ro
 def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
               weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
               block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-              num_stages: int | None = None, zero_centered: bool = False,
-              prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              num_stages: int | None = None, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: (W RMSNorm(h) [+ b], h) with h = x + residual (x when residual is None), in one launch
     instead of an RMSNorm and a GEMV. gated: W is [gate | up] (2I rows) and the first output is
     silu(gate) * up, [1, I], replacing the SiLU-and-mul kernel as well. norm_weight None: no norm
     (a plain GEMV, with the residual add and gating still fused). zero_centered: the norm scales by
-    (1 + norm_weight) (Qwen3-Next / Qwen3.5 RMSNorm). prefetch: a weight to pull into L2 as the programs
-    finish (`l2_prefetch.prefetch_target` decides whether it is; no value changes)."""
+    (1 + norm_weight) (Qwen3-Next / Qwen3.5 RMSNorm)."""
     y, h, _ = _launch_norm_gemv(x, residual, norm_weight, eps, weight, bias, gated, False, block_n, block_k,
-                                num_warps, num_stages, zero_centered, prefetch=prefetch)
+                                num_warps, num_stages, zero_centered)
     return y, h
 
 
 def norm_gemv_normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     weight: torch.Tensor, zero_centered: bool = False,
-                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     weight: torch.Tensor, zero_centered: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One row: (W RMSNorm(h), RMSNorm(h), h), h = x + residual, in one launch: the RMSNorm kernel and the
     GEMV of a projection whose input row other layers need as well (the MoE router: the experts take the
-    normed row, the next layer the residual). prefetch: as `norm_gemv`'s."""
+    normed row, the next layer the residual)."""
     y, h, normed = _launch_norm_gemv(x, residual, norm_weight, eps, weight, None, False, True, None, None, None,
-                                     None, zero_centered, prefetch=prefetch)
+                                     None, zero_centered)
     assert normed is not None
     return y, normed, h
 
@@ -206,8 +196,8 @@ def norm_gemv_routed(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
 def _launch_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
                       weight: torch.Tensor, bias: torch.Tensor | None, gated: bool, write_normed: bool,
                       block_n: int | None, block_k: int | None, num_warps: int | None, num_stages: int | None,
-                      zero_centered: bool, route: tuple[RouterTopK, torch.Tensor, torch.Tensor, int] | None = None,
-                      prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      zero_centered: bool, route: tuple[RouterTopK, torch.Tensor, torch.Tensor, int] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     k = x.shape[1]
     assert x.shape[0] == 1, f"norm_gemv takes one row, got {x.shape[0]}"
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
@@ -230,15 +220,12 @@ def _launch_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
         count = spec.counter
         topk = dict(TOP_K=spec.top_k, RENORMALIZE=spec.renormalize, SHARED=spec.shared_expert,
                     BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TK=triton.next_power_of_2(spec.top_k))
-    warps = num_warps or cfg["num_warps"]
-    pf = l2_prefetch.launch_args(l2_prefetch.prefetch_target(prefetch, x), y)
     _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, y, h, normed if normed is not None else y, route_w, route_i, count,
-        n, k, weight.stride(0), n, float(eps), pf["pf_ptr"], pf["pf_bytes"], PREFETCH=pf["PREFETCH"],
-        PF_LANES=32 * warps, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
+        n, k, weight.stride(0), n, float(eps), NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        ZERO_CENTERED=zero_centered, WRITE_NORMED=write_normed, num_warps=warps,
+        ZERO_CENTERED=zero_centered, WRITE_NORMED=write_normed, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"], **topk, **pdl_launch(x),
     )
     return y, h, normed

@@ -79,9 +79,6 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # CPU: oneDNN-prepacked weight (pack_for_cpu)
         self.gemv_min_elements = GEMV_MIN_ELEMENTS  # see use_gemv_for_all_sizes
         self.rows_gemm = False  # 2..16 rows on the Triton kernel too (use_gemv_for_all_sizes(rows=True))
-        # a weight the fused norm + GEMV of this layer pulls into L2 for what runs next (models/blocks.py
-        # plan_l2_prefetch, kernels/l2_prefetch.py); None: nothing
-        self.l2_prefetch: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row":

@@ -32,16 +32,15 @@ def use_fused_moe(x: torch.Tensor) -> bool:
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-               shared_expert: bool = False, prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, E] logits -> (fp32 weights [T, k], int32 expert ids [T, k]): softmax in fp32, top-k,
     renormalised over the k only when the model says so (Qwen3-MoE's `norm_topk_prob`).
     shared_expert: [T, E + 1] logits ending with the shared expert's gate -> routes [T, k + 1] ending with
-    expert E at weight sigmoid(gate) (`topk_softmax_shared_ref`). prefetch: a weight the fused top-k's launch
-    pulls into L2 (FREETOKEN_L2_PREFETCH; kernels/moe_router.py)."""
+    expert E at weight sigmoid(gate) (`topk_softmax_shared_ref`)."""
     if use_fused_moe(router_logits):
         from ..kernels import moe_router  # first CUDA use: CPU users never load Triton
 
-        return moe_router.topk_softmax(router_logits, top_k, renormalize, shared_expert, prefetch)
+        return moe_router.topk_softmax(router_logits, top_k, renormalize, shared_expert)
     if shared_expert:
         return topk_softmax_shared_ref(router_logits, top_k, renormalize)
     return topk_softmax_ref(router_logits, top_k, renormalize)
@@ -144,9 +143,6 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, dtype, expert_device)
         # FREETOKEN_ROUTER_TOPK_FUSED: the router launch's int32 arrival counter (_router_topk)
         self._route_counter: torch.Tensor | None = None
-        # a weight read after this block (the next layer's input projection) that the top-k's launch pulls into
-        # L2 while the router runs (models/blocks.py plan_l2_prefetch); None: nothing
-        self.next_weight_prefetch: torch.Tensor | None = None
 
     # the router's last row is a stacked shared expert's gate: k + 1 routes (models/qwen3_next.py)
     routes_shared_expert = False
@@ -167,14 +163,8 @@ class SparseMoeBlock(nn.Module):
         logits, h, residual = norm_linear_normed(norm, self.gate, x, residual)
         return self.from_router_logits(h, logits), residual
 
-    def weight_read_whatever_the_routing(self) -> torch.Tensor | None:
-        """A weight this block reads at every step, whichever experts the router picks (a shared expert's): the
-        router's launch may pull it into L2 while the top-k runs (models/blocks.py plan_l2_prefetch). None here."""
-        return None
-
     def from_router_logits(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_topk(logits, self.top_k, self.renormalize, self.routes_shared_expert,
-                                  self.next_weight_prefetch)
+        weights, ids = route_topk(logits, self.top_k, self.renormalize, self.routes_shared_expert)
         return self.from_routes(x, weights, ids)
 
     def from_routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

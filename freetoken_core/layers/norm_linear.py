@@ -36,8 +36,7 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
         if (not gated and triton_gemv.use_gemv(x, linear.weight, linear.gemv_min_elements)
                 and norm.weight.dtype == x.dtype and (residual is None or residual.stride(-1) == 1)):
             return triton_norm_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
-                                              zero_centered=type(norm) is ZeroCenteredRMSNorm,
-                                              prefetch=linear.l2_prefetch)
+                                         zero_centered=type(norm) is ZeroCenteredRMSNorm)
     if residual is None:
         residual, h = x, norm(x)
     else:
@@ -55,8 +54,7 @@ def norm_linear_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: t
         from ..kernels import norm_gemv as triton_norm_gemv
 
         y, h, residual = triton_norm_gemv.norm_gemv_normed(x, residual, norm.weight, norm.eps, linear.weight,
-                                                           zero_centered=type(norm) is ZeroCenteredRMSNorm,
-                                                           prefetch=linear.l2_prefetch)
+                                                      zero_centered=type(norm) is ZeroCenteredRMSNorm)
         return y, h, residual
     h, residual = norm(x, residual)
     return linear(h), h, residual

@@ -65,11 +65,6 @@ class Attention(nn.Module):
         """The projection the decoder layer runs fused with its input RMSNorm."""
         return self.qkv_proj
 
-    @property
-    def out_proj(self) -> Linear:
-        """The block's last projection (the gated-delta-net mixer's has this name too)."""
-        return self.o_proj
-
     def cache_spec(self) -> AttentionCacheSpec:
         return AttentionCacheSpec(self.layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                                   self.head_dim ** -0.5)
@@ -208,37 +203,6 @@ class DecoderLayer(nn.Module):
 
     def cache_spec(self) -> LayerCacheSpec:
         return self.mixer.cache_spec()
-
-
-def plan_l2_prefetch(model: nn.Module) -> int:
-    """Which batch-1 launch pulls which weight into L2 for a later kernel (FREETOKEN_L2_PREFETCH decides at
-    launch whether it does; kernels/l2_prefetch.py), over kernels that leave HBM idle:
-    - each layer's fused input norm + projection: its mixer's output projection (read after the attention or
-      gated-delta-net kernels);
-    - a MoE router with its norm: a weight its block reads whatever the routing (a shared expert's gate/up);
-    - a MoE block's top-k (before its wait, while the router runs): the next layer's input projection, as much
-      of it as half the L2 holds (read after the experts, whose loads carry an evict-first hint so that they do
-      not push it out, and whose gate/up GEMV prefetches the routes' down weights: kernels/moe_gemv.py).
-    Returns the number of launches planned."""
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
-    n = 0
-    for i, layer in enumerate(layers):
-        mixer = layer.mixer
-        out = getattr(mixer, "out_proj", None)
-        if getattr(mixer, "fuses_input_norm", False) and isinstance(out, Linear) and isinstance(mixer.in_proj, Linear):
-            mixer.in_proj.l2_prefetch = out.weight
-            n += 1
-        read_anyway = getattr(layer.mlp, "weight_read_whatever_the_routing", None)
-        gate = getattr(layer.mlp, "gate", None)
-        if read_anyway is None or not isinstance(gate, Linear):
-            continue
-        if (w := read_anyway()) is not None:
-            gate.l2_prefetch = w
-            n += 1
-        if i + 1 < len(layers) and isinstance(nxt := getattr(layers[i + 1].mixer, "in_proj", None), Linear):
-            layer.mlp.next_weight_prefetch = nxt.weight
-            n += 1
-    return n
 
 
 class DecoderModel(nn.Module):

@@ -108,10 +108,6 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def routes_shared_expert(self) -> bool:  # stacked: router + shared gate in one GEMV, one top-k, k + 1 routes
         return self.shared_fused
 
-    def weight_read_whatever_the_routing(self) -> torch.Tensor | None:
-        # the shared expert's gate/up rows (stacked: expert E of the routed GEMV; else its own GEMV's weight)
-        return self.shared_expert.gate_up_proj.weight
-
     def from_routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.shared_fused:
             return self.experts(x, weights, ids)
