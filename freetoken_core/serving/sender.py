@@ -140,6 +140,7 @@ class ResponseSender:
         # response is acked, so that no response still waiting on the slot sees it reused
         self._slots = SlotAllocator(cancel_channel.order) if cancel_channel.order is not None else None
         self._retiring: dict[int, tuple[int, int, float]] = {}
+        self._next_retire_check = 0.0
         self._flow_control = self.opt.max_inflight > 0
         self._report = SenderReport()
         self._workers = SendWorkers(options.sender_threads, self._deliver) if options.sender_threads > 1 else None
@@ -212,8 +213,9 @@ class ResponseSender:
             if self._acked_streams or self._retiring:
                 self._drain_acks()
             now = time.perf_counter()
-            if self._retiring:
+            if self._retiring and now >= self._next_retire_check:
                 self._free_retired(now)
+                self._next_retire_check = now + 0.1
             for uid in list(waiting):
                 st, msgs = waiting[uid]
                 if stopping or self._may_send(st, msgs, now):
