@@ -11,7 +11,9 @@ tokens wait meanwhile and go out merged in one response as soon as the ack comes
 detokenizer keeps up every step's tokens get their own response (stream_interval = 1), and only while
 it is behind do steps merge; the first token never waits. With one in flight per stream, a stream's
 responses also stay in order across several detokenizer instances (each acks only after its send
-returned).
+returned). With `send_order` the instances keep that order themselves (serving/send_order.py): the
+sender gives each acked stream a slot of the order table and numbers all its responses, the last one
+too, so a stream may have max_inflight in flight and its last response never waits for an ack.
 
 Every REPORT_INTERVAL_S while it sends, the thread logs its rate and where a response's time goes
 (`send()` itself, the ack round trip through the ensemble), so a served benchmark shows which part of
