@@ -62,7 +62,7 @@ def ack_socket_path(engine_id: int) -> Path:
     return channel_dir(engine_id) / ACK_SOCKET_NAME
 
 
-def _makechannel_dir() -> tuple[int, Path]:
+def _make_channel_dir() -> tuple[int, Path]:
     for _ in range(100):
         engine_id = secrets.randbelow(2**31 - 1) + 1
         d = channel_dir(engine_id)
@@ -80,7 +80,7 @@ class CancelChannel:
     one that receives delivery acks (`poll_acks`)."""
 
     def __init__(self, send_order: bool = False) -> None:
-        self.engine_id, self.dir = _makechannel_dir()  # mode 0700: the server's user only
+        self.engine_id, self.dir = _make_channel_dir()  # mode 0700: the server's user only
         self.path = self.dir / SOCKET_NAME
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(self.path))

@@ -104,9 +104,8 @@ class ActiveRequest:
         key = ""
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
-        slot = -1 if self.order_slot is None else self.order_slot
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs, ack, slot)
+                                      self.parsed.omit_outputs, ack, self.order_slot)
 
 
 class EngineLoop:

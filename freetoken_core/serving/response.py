@@ -75,14 +75,21 @@ class EnsembleMeta:
     num_input_tokens: int
     num_output_tokens: int
     ack: tuple[int, int, int] | None
+    slot: int  # the stream's slot in the engine's order table, -1: none
     context_tokens: np.ndarray
     next_tokens: np.ndarray
-    # (engine id, slot, uid, seq): wait for this stream's previous response first (serving/send_order.py)
-    order: tuple[int, int, int, int] | None = None
 
     @property
     def finished(self) -> bool:
         return bool(self.flags & META_FINISHED)
+
+    @property
+    def order(self) -> tuple[int, int, int, int] | None:
+        """(engine id, slot, uid, seq): wait for this stream's previous response first (send_order.py)."""
+        if self.ack is None or self.slot < 0:
+            return None
+        engine, uid, seq = self.ack
+        return engine, self.slot, uid, seq
 
 
 def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
@@ -94,8 +101,7 @@ def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
         raise ValueError(f"meta holds {m.size} values, but its header says {META_HEADER} + {n_ctx} context "
                          f"+ {n_new} new tokens")
     ack = (engine, uid, seq) if flags & META_ACK else None
-    order = (engine, slot, uid, seq) if ack is not None and slot >= 0 else None
-    return EnsembleMeta(flags, n_in, n_out, ack, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:], order)
+    return EnsembleMeta(flags, n_in, n_out, ack, slot, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:])
 
 
 def build_ensemble_outputs(
@@ -108,7 +114,7 @@ def build_ensemble_outputs(
     cancel_key: str = "",
     omit: frozenset[str] = frozenset(),
     ack: tuple[int, int, int] | None = None,
-    order_slot: int = -1,
+    order_slot: int | None = None,
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
     response and nothing else. The tokens and every number go in `meta` (one tensor, layout above);
@@ -116,7 +122,7 @@ def build_ensemble_outputs(
     `cancel_key` only when the caller says it is due (EngineLoop: first response, then every cancel_check
     interval); spec_* and stop_reason are not ensemble outputs, so never sent. `ack` = (engine id, uid,
     seq): the detokenizer acks this response once it sent it on (serving/cancel.py AckSender; the
-    engine's flow control and per-stream order rest on it); `order_slot` >= 0 (with `ack`): the stream's
+    engine's flow control and per-stream order rest on it); `order_slot` (with `ack`): the stream's
     slot in the engine's order table, so that it is sent only after its previous response
     (serving/send_order.py)."""
     flags = META_FINISHED if msg.finished else 0
@@ -127,7 +133,7 @@ def build_ensemble_outputs(
     engine, uid, seq = ack or (0, 0, 0)
     n_ctx, n_new = len(context_tokens), len(next_tokens)
     meta = np.empty(META_HEADER + n_ctx + n_new, dtype=np.int32)
-    slot = order_slot if ack is not None else -1
+    slot = order_slot if ack is not None and order_slot is not None else -1
     meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, slot, n_ctx, n_new)
     meta[META_HEADER:META_HEADER + n_ctx] = context_tokens
     meta[META_HEADER + n_ctx:] = next_tokens

@@ -123,7 +123,7 @@ class SendOrder:
 
     def __init__(self, channel_dir_of, wait_timeout_s: float = WAIT_TIMEOUT_S) -> None:
         self._dir_of = channel_dir_of
-        self._tables: dict[int, OrderTable | None] = {}
+        self._tables: dict[int, OrderTable] = {}
         self.wait_timeout_s = wait_timeout_s
         self._late = 0
 

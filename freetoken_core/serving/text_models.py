@@ -14,7 +14,7 @@ import numpy as np
 
 from freetoken_core.serving.cancel import notify_cancel
 from freetoken_core.serving.chat import parse_chat_messages
-from freetoken_core.serving.response import META_OMIT, read_ensemble_meta
+from freetoken_core.serving.response import META_OMIT, EnsembleMeta, read_ensemble_meta
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
@@ -73,17 +73,23 @@ def is_probe(tensors: Mapping[str, np.ndarray]) -> bool:
     return bool(_scalar(tensors.get("probe")) or False)
 
 
-def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:
-    """(engine id, uid, seq) of a response the engine wants acked (response.build_ensemble_outputs)."""
+def ensemble_meta_of(tensors: Mapping[str, np.ndarray]) -> EnsembleMeta | None:
+    """A slim engine response's `meta`, read (response.build_ensemble_outputs); None for the full one."""
     meta = tensors.get("meta")
-    return None if meta is None else read_ensemble_meta(meta).ack
+    return None if meta is None else read_ensemble_meta(meta)
+
+
+def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:
+    """(engine id, uid, seq) of a response the engine wants acked."""
+    m = ensemble_meta_of(tensors)
+    return None if m is None else m.ack
 
 
 def order_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int, int] | None:
     """(engine id, slot, uid, seq) of a response that must follow its stream's previous one across
     detokenizer instances (serving/send_order.py), or None."""
-    meta = tensors.get("meta")
-    return None if meta is None else read_ensemble_meta(meta).order
+    m = ensemble_meta_of(tensors)
+    return None if m is None else m.order
 
 
 def forward_cancel(key: str) -> bool:
@@ -91,14 +97,15 @@ def forward_cancel(key: str) -> bool:
     return bool(key) and notify_cancel(key)
 
 
-def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray],
+                        meta: EnsembleMeta | None = None) -> dict[str, np.ndarray]:
     """One engine response -> text_output delta, plus the engine outputs passed through.
 
     Reads both response shapes: the slim ensemble one (`meta`, absent tensors = defaults;
-    response.build_ensemble_outputs) and the full one (response.build_outputs)."""
-    meta = tensors.get("meta")
-    if meta is not None:
-        m = read_ensemble_meta(meta)
+    response.build_ensemble_outputs) and the full one (response.build_outputs). `meta`: the slim
+    response's meta already read (ensemble_meta_of), so that a caller that needs it too reads it once."""
+    m = meta if meta is not None else ensemble_meta_of(tensors)
+    if m is not None:
         new, ctx_ids, finished = m.next_tokens, m.context_tokens.tolist(), m.finished
         passthrough: dict[str, Any] = {"next_tokens_out": new}
         if not m.flags & META_OMIT["finish_reason"]:

@@ -17,7 +17,7 @@ import triton_python_backend_utils as pb_utils
 from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter, channel_dir
 from freetoken_core.serving.send_order import SendOrder
 from freetoken_core.serving.text_models import (
-    ack_of, cancel_key_of, detokenize_response, forward_cancel, is_probe, order_of,
+    cancel_key_of, detokenize_response, ensemble_meta_of, forward_cancel, is_probe,
 )
 from freetoken_core.serving.triton_io import respond_each, model_tokenizer, send_each
 
@@ -41,19 +41,21 @@ class TritonPythonModel:
             forward_cancel(key)
         if probe and self.decoupled:
             return None  # the FINAL flag alone: nothing reaches the client
-        out = detokenize_response(self.tok, tensors)
-        order = order_of(tensors)
-        if order is not None:  # another instance may still have this stream's previous response
-            self.order.wait_turn(*order)
+        meta = ensemble_meta_of(tensors)
+        out = detokenize_response(self.tok, tensors, meta)
+        # another instance may still have this stream's previous response
+        if meta is not None and meta.order is not None:
+            self.order.wait_turn(*meta.order)
         return out
 
     def _sent(self, tensors):
-        order = order_of(tensors)
-        if order is not None:
-            self.order.sent(*order)
-        ack = ack_of(tensors)
-        if ack is not None:
-            self.acks.add(*ack)
+        meta = ensemble_meta_of(tensors)
+        if meta is None:
+            return
+        if meta.order is not None:
+            self.order.sent(*meta.order)
+        if meta.ack is not None:
+            self.acks.add(*meta.ack)
 
     def execute(self, requests):
         if self.decoupled:
