@@ -76,22 +76,38 @@ def _conv_update_kernel(
 ):
     # Program (request i, channel block): rows i*R .. i*R+R-1 against xx = [state | rows];
     # row r's output is b + sum_j w_j xx[r + j].
-    if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_wait_then_release()
+    # PDL (kernels/pdl.py): the slot (from the host) and, for one row (R = 1, decode), the taps that read the
+    # state (written by this layer's launch of an earlier step, never by the kernel just before this one: see
+    # gdn.py's _gdn_rows_kernel) load before the wait, so their DRAM latency overlaps in_proj's GEMV; x (in_proj's
+    # output) and the row counts after it.
     i_b, i_c = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slot_ids + i_b).to(tl.int64)
     first_row = i_b.to(tl.int64) * R
     offs_c = i_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
-    for r in range(0, R):
+    if R == 1:
         acc = tl.zeros((BC,), dtype=tl.float32)
-        for j in tl.static_range(K):
-            m = r + j
-            xx = _conv_tap(x, state, first_row + m - (K - 1), m, m >= K - 1, m < K - 1, slot, offs_c, mask_c,
-                           s_xt, s_s0, s_s1, s_s2)
-            acc += xx * tl.load(w + offs_c * s_w0 + j, mask=mask_c, other=0.0).to(tl.float32)
+        for j in tl.static_range(K - 1):
+            sv = tl.load(state + slot * s_s0 + offs_c * s_s1 + j * s_s2, mask=mask_c, other=0.0).to(tl.float32)
+            acc += sv * tl.load(w + offs_c * s_w0 + j, mask=mask_c, other=0.0).to(tl.float32)
+        w_last = tl.load(w + offs_c * s_w0 + (K - 1), mask=mask_c, other=0.0).to(tl.float32)
+        if USE_PDL:
+            pdl_wait_then_release()
+        acc += tl.load(x + first_row * s_xt + offs_c, mask=mask_c, other=0.0).to(tl.float32) * w_last
         acc = _conv_finish(acc, b, offs_c, mask_c, HAS_BIAS, SILU)
-        tl.store(y + (first_row + r) * s_yt + offs_c, acc.to(y.dtype.element_ty), mask=mask_c)
+        tl.store(y + first_row * s_yt + offs_c, acc.to(y.dtype.element_ty), mask=mask_c)
+    else:
+        if USE_PDL:
+            pdl_wait_then_release()
+        for r in range(0, R):
+            acc = tl.zeros((BC,), dtype=tl.float32)
+            for j in tl.static_range(K):
+                m = r + j
+                xx = _conv_tap(x, state, first_row + m - (K - 1), m, m >= K - 1, m < K - 1, slot, offs_c, mask_c,
+                               s_xt, s_s0, s_s1, s_s2)
+                acc += xx * tl.load(w + offs_c * s_w0 + j, mask=mask_c, other=0.0).to(tl.float32)
+            acc = _conv_finish(acc, b, offs_c, mask_c, HAS_BIAS, SILU)
+            tl.store(y + (first_row + r) * s_yt + offs_c, acc.to(y.dtype.element_ty), mask=mask_c)
     if WRITE_STATE:
         n = tl.load(num_rows + i_b)
         _conv_write_state(x, state, slot, first_row, n, True, offs_c, mask_c, s_xt, s_s0, s_s1, s_s2,

@@ -215,10 +215,11 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, config: Config | None = None,
-              decode_config: dict[str, Config] | None = None) -> torch.Tensor:
+              decode_config: dict[str, Config] | None = None, shared_last: bool = False) -> torch.Tensor:
     """x [T, H] -> [T, H]: the MoE experts of `fused_moe_ref`, by the decode path for
     T <= DECODE_MAX_TOKENS and by the grouped GEMM above. `config` (a `get_config` dict) tunes the
-    grouped path, `decode_config` (a `get_decode_config` dict) the decode path; None: the table's."""
+    grouped path, `decode_config` (a `get_decode_config` dict) the decode path; None: the table's.
+    shared_last: every token's last route is the shared expert stacked last (the decode path starts it early)."""
     if x.shape[0] <= DECODE_MAX_TOKENS:
-        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, config=decode_config)
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, config=decode_config, shared_last=shared_last)
     return fused_moe_grouped(x, w13, w2, topk_weights, topk_ids, config=config)

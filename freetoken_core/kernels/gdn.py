@@ -169,8 +169,11 @@ def _gdn_rows_kernel(
     # OUT_NORM (BV >= DV: the program holds a whole head): o = gated_norm(o, z) before the store.
     # FUSED_CONV (plain decode only: R = 1, WRITE_STATE): q, k, v point at the conv *inputs* (views of
     # in_proj's row) and the program runs the conv of the channels it reads itself (see below).
-    if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_wait_then_release()
+    # PDL (kernels/pdl.py): decode and verify load their slot and state tile before the wait. Neither is written
+    # by the kernel just before this one, the only one still running when this one starts (a PDL kernel lets its
+    # dependents start only after its own wait, i.e. once the kernel before it has finished): slot_ids come from
+    # the host, the state from this layer's launch of an earlier step. So the state's DRAM latency overlaps the
+    # conv; the row counts (a verify replay's may be made on the device just before) load after the wait.
     i_b, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // REP  # repeat_interleave: REP consecutive value heads share a key head
     slot = tl.load(slot_ids + i_b).to(tl.int64)
@@ -180,6 +183,8 @@ def _gdn_rows_kernel(
     mask_s = mask_k[:, None] & mask_v[None, :]
     p_s = state + slot * s_s0 + i_h * s_s1 + offs_k[:, None] * s_s2 + offs_v[None, :]
     if VARLEN:
+        if USE_PDL:
+            pdl_wait_then_release()
         bos = tl.load(cu_seqlens + i_b).to(tl.int64)
         eos = tl.load(cu_seqlens + i_b + 1).to(tl.int64)
         load_mask = mask_s
@@ -190,8 +195,10 @@ def _gdn_rows_kernel(
     else:
         bos = i_b.to(tl.int64) * R
         eos = bos + R
-        n = tl.load(num_rows + i_b)
         S = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32)
+        if USE_PDL:
+            pdl_wait_then_release()
+        n = tl.load(num_rows + i_b)
     for t in range(bos, eos):
         if FUSED_CONV:
             # Channels [q | k | v] of the conv: this program reads the q and k channels of its key head

@@ -44,9 +44,9 @@ def check_expert_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
 
 
 @triton.jit
-def _gate_up_gemv(x_row, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn, stride_ar, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    # act[r, n] = silu(w13[e, n] . x) * (w13[e, I + n] . x) for this program's BLOCK_N columns n
+def _gate_up_dots(x_row, w_ptr, expert, I, H, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    # (w13[e, n] . x, w13[e, I + n] . x) in fp32 for this program's BLOCK_N columns n
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     w_gate = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
@@ -63,22 +63,35 @@ def _gate_up_gemv(x_row, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn, 
             xk = tl.load(x_row + offs_k, mask=offs_k < H, other=0.0).to(tl.float32)
         acc += tl.load(w_gate + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * xk[None, :]
         acc_up += tl.load(w_up + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * xk[None, :]
-    out_ty = act_ptr.dtype.element_ty
-    act = silu_mul_rounded(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), out_ty)
-    tl.store(act_ptr + r * stride_ar + offs_n, act.to(out_ty), mask=n_ok)
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
 
 
 @triton.jit
 def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, I, H, stride_xt, stride_we, stride_wn,
-                             stride_ar, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
-    # route r = t * TOP_K + j runs expert e = ids[r] on token t
+                             stride_ar, shared_expert, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                             SHARED_LAST: tl.constexpr):
+    # act[r, n] = silu(w13[e, n] . x) * (w13[e, I + n] . x) for route r = t * TOP_K + j, expert e = ids[r]
     r = tl.program_id(0).to(tl.int64)
-    if USE_PDL:  # the expert id is an activation: nothing can be prefetched before the wait
-        pdl_wait_then_release()
-    expert = tl.load(ids_ptr + r).to(tl.int64)
-    _gate_up_gemv(x_ptr + (r // TOP_K) * stride_xt, w_ptr, expert, act_ptr, r, I, H, stride_we, stride_wn,
-                  stride_ar, BLOCK_N, BLOCK_K, EVEN_K)
+    x_row = x_ptr + (r // TOP_K) * stride_xt
+    if SHARED_LAST and r % TOP_K == TOP_K - 1:
+        # A token's last route is a stacked shared expert (SHARED_LAST): its expert is known without the ids,
+        # and x (the normed hidden state, written by the router's launch, two kernels back) is final when this
+        # kernel starts (the top-k, the one kernel still running, writes only the routes). So these programs
+        # compute their whole dot products before the PDL wait, while the top-k runs (Qwen3.6: a ninth of the
+        # expert weights); they store after it (act's memory may be a block the top-k still reads).
+        gate, up = _gate_up_dots(x_row, w_ptr, shared_expert.to(tl.int64), I, H, stride_we, stride_wn, BLOCK_N,
+                                 BLOCK_K, EVEN_K)
+        if USE_PDL:
+            pdl_wait_then_release()
+    else:
+        if USE_PDL:  # the expert id is an activation: nothing can be prefetched before the wait
+            pdl_wait_then_release()
+        expert = tl.load(ids_ptr + r).to(tl.int64)
+        gate, up = _gate_up_dots(x_row, w_ptr, expert, I, H, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+    out_ty = act_ptr.dtype.element_ty
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(act_ptr + r * stride_ar + offs_n, silu_mul_rounded(gate, up, out_ty).to(out_ty), mask=offs_n < I)
 
 
 @triton.jit
@@ -199,8 +212,10 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
 
 
 def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
-                     config: Config | None = None) -> torch.Tensor:
-    """act [T*k, I] = silu(gate) * up of each route's expert, reading only the chosen experts' rows."""
+                     config: Config | None = None, shared_last: bool = False) -> torch.Tensor:
+    """act [T*k, I] = silu(gate) * up of each route's expert, reading only the chosen experts' rows.
+    shared_last: every token's last route is the shared expert stacked last in w13 (expert E - 1; the routing
+    of `moe_router.topk_softmax(shared_expert=True)`), so those routes start before the ids are final."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     cfg = config or get_decode_config(num_experts, hidden, two_i // 2, x.dtype)["gate_up"]
@@ -208,8 +223,9 @@ def moe_gemv_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor,
     grid = (num_tokens * top_k, triton.cdiv(two_i // 2, cfg["BLOCK_N"]))
     _moe_gemv_gate_up_kernel[grid](
         x, w13, topk_ids, act, two_i // 2, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], EVEN_K=hidden % cfg["BLOCK_K"] == 0,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_launch(x),
+        num_experts - 1, TOP_K=top_k, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EVEN_K=hidden % cfg["BLOCK_K"] == 0, SHARED_LAST=shared_last, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_launch(x),
     )
     return act
 
@@ -238,12 +254,14 @@ def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
 
 
 def fused_moe_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, *, config: dict[str, Config] | None = None) -> torch.Tensor:
+                     topk_ids: torch.Tensor, *, config: dict[str, Config] | None = None,
+                     shared_last: bool = False) -> torch.Tensor:
     """The decode path (a few tokens): two GEMV launches that read only the k chosen experts per token.
-    config: {"gate_up": ..., "down": ...} as `get_decode_config` returns (None: from the table)."""
+    config: {"gate_up": ..., "down": ...} as `get_decode_config` returns (None: from the table).
+    shared_last: see `moe_gemv_gate_up`."""
     check_expert_args(x, w13, w2, topk_weights, topk_ids)
     if x.shape[0] == 0:
         return torch.empty_like(x)
     config = config or get_decode_config(w13.shape[0], w13.shape[2], w2.shape[2], x.dtype)
-    act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"])
+    act = moe_gemv_gate_up(x, w13, topk_ids, config["gate_up"], shared_last)
     return moe_gemv_down(act, w2, topk_weights, topk_ids, config["down"], after_gate_up=True)

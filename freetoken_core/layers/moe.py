@@ -47,12 +47,13 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def run_stacked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor) -> torch.Tensor:
-    """sum over k of weight * expert(x) for stacked weights on x's device (all experts, or a slot pool)."""
+                        topk_ids: torch.Tensor, shared_last: bool = False) -> torch.Tensor:
+    """sum over k of weight * expert(x) for stacked weights on x's device (all experts, or a slot pool).
+    shared_last: each token's last route is the shared expert stacked last in w13/w2 (a speed hint)."""
     if use_fused_moe(x):
         from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
 
-        return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, shared_last=shared_last)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -84,8 +85,13 @@ class StackedExperts(nn.Module):
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
         if self.executor is not None:
             return self.executor.forward(x, topk_weights, topk_ids)
-        w13, w2 = self.stack_with_shared or (self.gate_up_proj, self.down_proj)
-        return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids))
+        if self.stack_with_shared is not None:  # the routes end with the shared expert, stacked last
+            w13, w2 = self.stack_with_shared
+            # the decode GEMV starts the shared route before the ids are final, on the premise that x was
+            # written at least two launches back; FREETOKEN_ROUTER_TOPK_FUSED writes x and the ids in one
+            shared_last = not kernel_env().router_topk_fused
+            return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids, shared_last=shared_last))
+        return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:

@@ -44,7 +44,8 @@ SERVING_DEFAULTS: dict[str, str] = {
     "detok_max_inflight": "0",
     # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
-    # stream's last response never waits for an ack. Needs the decoupled detokenizer (the default).
+    # stream's last response never waits for an ack. Needs the decoupled detokenizer (the default). Off: on the
+    # H200 no faster at 1 and 16 streams, slower at 64 (benchmarks/RESULTS.md, sixteenth session).
     "detok_send_order": "0",
     # 1: the engine (scheduler, model, sampling) runs in a child process with a GIL of its own, and this
     # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine

@@ -15,6 +15,7 @@ from freetoken_core.kernels.fused_moe import (
     moe_align_block_size,
 )
 from freetoken_core.kernels.moe_router import topk_softmax
+from freetoken_core.kernels.moe_gemv import moe_gemv_gate_up
 from freetoken_core.kernels.fused_moe_configs import (
     DECODE_MAX_TOKENS,
     down_config,
@@ -207,6 +208,29 @@ def test_fused_moe_decode_down_route_layouts(case: str, routes: str):
     config = {"gate_up": tile, "down": {**tile, "routes": routes}}
     torch.testing.assert_close(fused_moe_decode(x, w13, w2, weights, ids, config=config),
                                fused_moe_ref(x, w13, w2, weights, ids), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_fused_moe_decode_with_a_stacked_shared_expert(num_tokens: int, dtype: torch.dtype):
+    """shared_last: each token's last route is the shared expert stacked last (expert E - 1, the routing of
+    topk_softmax(shared_expert=True)); the gate/up GEMV takes that expert without reading the ids (on the GPU
+    before its PDL wait). The same output as the reference and as the path without the hint, bit for bit."""
+    num_experts, top_k, hidden, inter = 9, 3, 64, 40  # 8 routed experts + the shared one, 3 routes + the shared
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    routed_weights, routed_ids = make_routing(num_tokens, num_experts - 1, top_k, renormalize=False)
+    gate = torch.rand(num_tokens, 1, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    weights = torch.cat([routed_weights, gate], dim=1).contiguous()
+    ids = torch.cat([routed_ids, torch.full_like(routed_ids[:, :1], num_experts - 1)], dim=1).contiguous()
+    x = random_x(num_tokens, hidden, dtype)
+    out = fused_moe_decode(x, w13, w2, weights, ids, shared_last=True)
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL[dtype])
+    torch.testing.assert_close(out, fused_moe_decode(x, w13, w2, weights, ids), rtol=0, atol=0)
+    # the gate/up GEMV follows the hint, not the ids: a last route naming another expert still runs E - 1
+    wrong = ids.clone()
+    wrong[:, -1] = 0
+    torch.testing.assert_close(moe_gemv_gate_up(x, w13, wrong, shared_last=True), moe_gemv_gate_up(x, w13, ids),
+                               rtol=0, atol=0)
 
 
 def test_down_routes_rule():
