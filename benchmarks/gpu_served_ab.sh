@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Issue 13 in one device call: the in-process side once, then the served side (benchmarks/gpu_perf_analyzer.sh,
+# ensemble, gRPC streaming) under each of several settings, so that every row of one call compares.
+#   source .gpu-bundle/setup.sh && bash benchmarks/gpu_served_ab.sh SHAPE "SETTING;SETTING;..."
+# SHAPE: a bench_serving.py shape (smollm2-135m, llama-3.2-1b), served with random weights and the tokenizer of
+# TOKENIZER_DIR (default .gpu-model/smollm2: the default model's tokenizer files and config.json, no weights).
+# A SETTING is environment assignments for the server (FREETOKEN_<PARAM>=V overrides a serving parameter), e.g.
+#   bash benchmarks/gpu_served_ab.sh smollm2-135m \
+#     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
+# An empty SETTING ("") is the defaults. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (4) as in
+# gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side. About 60 s for the in-process side and 80-110 s per
+# setting at the default concurrencies.
+set -euo pipefail
+shape=$1
+settings=${2:-""}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
+export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-4} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-}
+export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
+echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
+if [ "${INPROCESS:-1}" = 1 ]; then
+  echo "=== in-process $shape"
+  python3 "$repo/benchmarks/bench_serving.py" --model-path "$TOKENIZER_DIR" --shape "$shape" --device cuda \
+    --dtype bfloat16 --concurrency $CONCURRENCY --requests 64 --rounds 3 --only offline 2>&1 | grep "in-process LLM"
+fi
+IFS=';' read -ra runs <<< "$settings"
+[ ${#runs[@]} -gt 0 ] || runs=("")
+for setting in "${runs[@]}"; do
+  echo "=== served $shape [${setting:-defaults}]"
+  # the sender's last lines (its rate, send() cost, ack round trip) and the table
+  env $setting bash "$repo/benchmarks/gpu_perf_analyzer.sh" "$shape" 2>&1 | tail -${TAIL:-12}
+done
