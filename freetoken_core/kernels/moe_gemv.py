@@ -5,7 +5,8 @@ tokens (`fused_moe.fused_moe` sends T <= DECODE_MAX_TOKENS here, more to its gro
 - `moe_gemv_gate_up`: one program per route and BLOCK_N act columns, act = SiLU(gate) * up.
 - `moe_gemv_down`: one program per token and BLOCK_N output columns of all its k routes, summed in fp32 (no
   [T, k, H] buffer, no third launch); the k routes' rows as one tile, or in a loop over the routes
-  (`fused_moe_configs.down_routes`).
+  (`fused_moe_configs.down_routes`); the loop may load its first routes as one tile before the PDL wait (the
+  tile's "early").
 Both take USE_PDL (kernels/pdl.py); the expert ids are activations, so gate/up waits first; down, launched right
 after it, finds them final and loads its first weight tile before its wait. (Folding `moe_router.topk_softmax`
 into the gate/up GEMV, one launch fewer per layer, was tried and measured slower on the H200: every program then
@@ -178,7 +179,7 @@ def _down_accumulate(w, a, part, y, it, r, topk_weights_ptr, out_ty: tl.constexp
 def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H, I, stride_ar, stride_we,
                                stride_wn, stride_ot, TOP_K: tl.constexpr, K_CHUNKS: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-                               IDS_BEFORE_WAIT: tl.constexpr):
+                               IDS_BEFORE_WAIT: tl.constexpr, EARLY: tl.constexpr = 1, EARLY_P: tl.constexpr = 1):
     # The route loop (tile "routes": "loop"): as _moe_gemv_down_kernel, but one flat loop over (route j, K chunk)
     # in route order, one weight tile [BLOCK_N, BLOCK_K] at a time, pipelined by Triton: registers do not grow
     # with k. Where k is not a power of two the all-routes tile pads it (k + 1 = 9 with a stacked shared expert:
@@ -191,7 +192,32 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
     part = tl.zeros((BLOCK_N,), dtype=tl.float32)
     y = tl.zeros((BLOCK_N,), dtype=tl.float32)
     start = 0
-    if USE_PDL:
+    if EARLY > 1:
+        # The tile's "early" (K_CHUNKS = 1: a loop step is a whole route): the first EARLY routes' weight rows as
+        # one [EARLY, N, K] tile, loaded before the PDL wait when the ids are final (IDS_BEFORE_WAIT), so more of
+        # this program's weights stream while the gate/up GEMV ends; their products are added to y in route order.
+        if USE_PDL and not IDS_BEFORE_WAIT:
+            pdl_wait_then_release()
+        offs_e = tl.arange(0, EARLY_P)
+        e_ok = offs_e < EARLY
+        routes = t * TOP_K + offs_e
+        experts = tl.load(ids_ptr + routes, mask=e_ok, other=0, cache_modifier=".cg").to(tl.int64)
+        offs_ke = tl.arange(0, BLOCK_K)
+        ke_ok = offs_ke < I
+        w_e = tl.load(w_ptr + experts[:, None, None] * stride_we + offs_n.to(tl.int64)[None, :, None] * stride_wn
+                      + offs_ke[None, None, :], mask=e_ok[:, None, None] & n_ok[None, :, None] & ke_ok[None, None, :],
+                      other=0.0)
+        if USE_PDL and IDS_BEFORE_WAIT:
+            pdl_wait_then_release()  # act is the gate/up GEMV's output
+        a_e = tl.load(act_ptr + routes[:, None] * stride_ar + offs_ke[None, :], mask=e_ok[:, None] & ke_ok[None, :],
+                      other=0.0)
+        dots = round_to(tl.sum(w_e.to(tl.float32) * a_e.to(tl.float32)[:, None, :], axis=2), out_ty)  # [E, N]
+        weights = round_to(tl.load(topk_weights_ptr + routes, mask=e_ok, other=0.0), out_ty)
+        contrib = round_to(dots * weights[:, None], out_ty)
+        for e in tl.static_range(EARLY):
+            y += tl.sum(tl.where(offs_e[:, None] == e, contrib, 0.0), axis=0)
+        start = EARLY
+    elif USE_PDL:
         if IDS_BEFORE_WAIT:
             r, a_ptrs, k_ok, w_ptrs, w_mask = _down_chunk(act_ptr, w_ptr, ids_ptr, t, 0, offs_n, n_ok, I, stride_ar,
                                                           stride_we, stride_wn, TOP_K, K_CHUNKS, BLOCK_K)
@@ -246,7 +272,12 @@ def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
                   IDS_BEFORE_WAIT=after_gate_up, **pdl_launch(act))
     if down_routes(cfg, top_k) == "loop":
         block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(inter))
-        _moe_gemv_down_loop_kernel[grid](*args, K_CHUNKS=triton.cdiv(inter, block_k), BLOCK_K=block_k, **launch)
+        k_chunks = triton.cdiv(inter, block_k)
+        early = min(cfg.get("early", 1), top_k)
+        if early > 1 and k_chunks != 1:
+            raise ValueError(f"down tile early={early} needs BLOCK_K >= the intermediate size {inter} (one chunk a route)")
+        _moe_gemv_down_loop_kernel[grid](*args, K_CHUNKS=k_chunks, BLOCK_K=block_k, EARLY=early,
+                                         EARLY_P=triton.next_power_of_2(early), **launch)
     else:
         _moe_gemv_down_kernel[grid](*args, BLOCK_R=triton.next_power_of_2(top_k), BLOCK_K=cfg["BLOCK_K"],
                                     EVEN_K=inter % cfg["BLOCK_K"] == 0, **launch)

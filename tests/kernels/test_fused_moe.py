@@ -233,6 +233,28 @@ def test_fused_moe_decode_with_a_stacked_shared_expert(num_tokens: int, dtype: t
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("early", [2, 3, 5, 8])
+def test_down_loop_early_routes(early: int, dtype: torch.dtype):
+    """The route loop's "early" (one K chunk per route): the first `early` routes as one tile, loaded before the
+    PDL wait on the GPU (8 > k = 5 is capped at k), then the rest in the loop: the reference's output, and the
+    plain loop's up to fp32 summation order inside a dot product."""
+    num_tokens, num_experts, top_k, hidden, inter = 2, 12, 5, 48, 40
+    w13, w2 = make_experts(num_experts, hidden, inter, dtype)
+    weights, ids = make_routing(num_tokens, num_experts, top_k, renormalize=False)
+    x = random_x(num_tokens, hidden, dtype)
+    tile = dict(BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1)
+    plain = {"gate_up": tile, "down": {**tile, "routes": "loop"}}
+    out = fused_moe_decode(x, w13, w2, weights, ids, config={**plain, "down": {**plain["down"], "early": early}})
+    torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL[dtype])
+    torch.testing.assert_close(out, fused_moe_decode(x, w13, w2, weights, ids, config=plain),
+                               **(TOL[dtype] if dtype != torch.float32 else dict(rtol=1e-6, atol=1e-6)))
+    with pytest.raises(ValueError, match="early=2 needs BLOCK_K"):  # a route over several chunks: not supported
+        short = {**tile, "BLOCK_K": 16}
+        fused_moe_decode(x, w13, w2, weights, ids, config={"gate_up": short, "down": {**short, "routes": "loop",
+                                                                                       "early": 2}})
+
+
 def test_down_routes_rule():
     from freetoken_core.kernels.fused_moe_configs import DECODE_CONFIGS, down_routes
 
