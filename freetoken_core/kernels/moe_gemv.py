@@ -96,6 +96,20 @@ def _moe_gemv_gate_up_kernel(x_ptr, w_ptr, ids_ptr, act_ptr, I, H, stride_xt, st
 
 
 @triton.jit
+def _route_rows(act_ptr, w_ptr, ids_ptr, t, offs_n, H, stride_ar, stride_we, stride_wn, TOP_K: tl.constexpr,
+                COUNT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Token t's first COUNT routes (BLOCK_R lanes): their route ids, lane mask, act rows [R] and the [R, N] rows
+    of their experts' down weights (ids read through L2, .cg), with the [R, N] mask."""
+    offs_j = tl.arange(0, BLOCK_R)
+    j_ok = offs_j < COUNT
+    routes = t * TOP_K + offs_j
+    experts = tl.load(ids_ptr + routes, mask=j_ok, other=0, cache_modifier=".cg").to(tl.int64)
+    rows_ok = j_ok[:, None] & (offs_n < H)[None, :]
+    w_rows = w_ptr + experts[:, None] * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn
+    return routes, j_ok, act_ptr + routes * stride_ar, w_rows, rows_ok
+
+
+@triton.jit
 def _down_tiles(a_rows, w_rows, j_ok, rows_ok, k0, I, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """The addresses and masks of one BLOCK_K step: act [R, K] and the routes' weight rows [R, N, K]."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -123,14 +137,9 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H,
     t = tl.program_id(0).to(tl.int64)
     if USE_PDL and not IDS_BEFORE_WAIT:
         pdl_wait_then_release()
-    offs_j = tl.arange(0, BLOCK_R)
-    j_ok = offs_j < TOP_K
-    routes = t * TOP_K + offs_j
-    experts = tl.load(ids_ptr + routes, mask=j_ok, other=0, cache_modifier=".cg").to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_ok = j_ok[:, None] & (offs_n < H)[None, :]  # [R, N]
-    w_rows = w_ptr + experts[:, None] * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn  # [R, N]
-    a_rows = act_ptr + routes * stride_ar  # [R]
+    routes, j_ok, a_rows, w_rows, rows_ok = _route_rows(act_ptr, w_ptr, ids_ptr, t, offs_n, H, stride_ar, stride_we,
+                                                        stride_wn, TOP_K, TOP_K, BLOCK_R)
     acc = tl.zeros((BLOCK_R, BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = 0
     if USE_PDL and IDS_BEFORE_WAIT:
@@ -198,24 +207,19 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
         # this program's weights stream while the gate/up GEMV ends; their products are added to y in route order.
         if USE_PDL and not IDS_BEFORE_WAIT:
             pdl_wait_then_release()
-        offs_e = tl.arange(0, EARLY_P)
-        e_ok = offs_e < EARLY
-        routes = t * TOP_K + offs_e
-        experts = tl.load(ids_ptr + routes, mask=e_ok, other=0, cache_modifier=".cg").to(tl.int64)
-        offs_ke = tl.arange(0, BLOCK_K)
-        ke_ok = offs_ke < I
-        w_e = tl.load(w_ptr + experts[:, None, None] * stride_we + offs_n.to(tl.int64)[None, :, None] * stride_wn
-                      + offs_ke[None, None, :], mask=e_ok[:, None, None] & n_ok[None, :, None] & ke_ok[None, None, :],
-                      other=0.0)
+        routes, e_ok, a_rows, w_rows, rows_ok = _route_rows(act_ptr, w_ptr, ids_ptr, t, offs_n, H, stride_ar,
+                                                            stride_we, stride_wn, TOP_K, EARLY, EARLY_P)
+        a_ptrs_e, a_mask_e, w_ptrs_e, w_mask_e = _down_tiles(a_rows, w_rows, e_ok, rows_ok, 0, I, BLOCK_K, False)
+        w_e = tl.load(w_ptrs_e, mask=w_mask_e, other=0.0)
         if USE_PDL and IDS_BEFORE_WAIT:
             pdl_wait_then_release()  # act is the gate/up GEMV's output
-        a_e = tl.load(act_ptr + routes[:, None] * stride_ar + offs_ke[None, :], mask=e_ok[:, None] & ke_ok[None, :],
-                      other=0.0)
+        a_e = tl.load(a_ptrs_e, mask=a_mask_e, other=0.0)
         dots = round_to(tl.sum(w_e.to(tl.float32) * a_e.to(tl.float32)[:, None, :], axis=2), out_ty)  # [E, N]
         weights = round_to(tl.load(topk_weights_ptr + routes, mask=e_ok, other=0.0), out_ty)
         contrib = round_to(dots * weights[:, None], out_ty)
+        lanes = tl.arange(0, EARLY_P)
         for e in tl.static_range(EARLY):
-            y += tl.sum(tl.where(offs_e[:, None] == e, contrib, 0.0), axis=0)
+            y += tl.sum(tl.where(lanes[:, None] == e, contrib, 0.0), axis=0)
         start = EARLY
     elif USE_PDL:
         if IDS_BEFORE_WAIT:
