@@ -48,7 +48,7 @@ class KernelEnv:
     # 30B 2.617 against 2.567 ms)
     router_topk_fused: bool = False
     # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel (Qwen3.6 2.937 against
-    # 2.875 ms)
+    # 2.875 ms; since then its conv state, like the recurrent state, loads before the PDL wait: not re-measured)
     gdn_fused_conv: bool = False
     # FREETOKEN_GDN_OUT_NORM_GEMV: the GDN gated output norm inside the out_proj GEMV (one row)
     gdn_out_norm_gemv: bool = True

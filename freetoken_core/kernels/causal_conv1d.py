@@ -238,27 +238,34 @@ def causal_conv1d_varlen(
 
 
 @triton.jit
-def _conv_decode(x_ptr, conv_w, conv_b, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
-    # causal_conv1d._conv_update_kernel at one row (R = 1) for the channels `ch` of one slot (p_cs: their
-    # state column 0): taps = old state columns 0..K-2 then the new input, summed in that order in fp32,
-    # + bias, SiLU, rounded to x's dtype as conv1d_update stores it. Also returns the slot's next state
-    # [old columns 1..K-2 | x] in the pool's dtype, for the caller to store once every reader has read.
-    xv = tl.load(x_ptr, mask=mask, other=0.0)
-    acc = tl.zeros(xv.shape, dtype=tl.float32)
-    for j in tl.static_range(K):
-        if j < K - 1:
-            tap = tl.load(p_cs + j * s_c2, mask=mask, other=0.0).to(tl.float32)
-        else:
-            tap = xv.to(tl.float32)
+def _conv_decode_state(conv_w, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr):
+    # causal_conv1d._conv_update_kernel at one row (R = 1) for the channels `ch` of one slot (p_cs: their state
+    # column 0), the part that reads no input (gdn.py runs it before its PDL wait): the old state columns
+    # 0..K-2 times their taps, summed in that order in fp32; the old columns 1..K-2 (the next state's start);
+    # the last tap's weight. `_conv_decode_finish` adds the input.
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(K - 1):
+        tap = tl.load(p_cs + j * s_c2, mask=mask, other=0.0).to(tl.float32)
         acc += tap * tl.load(conv_w + ch * s_cw0 + j, mask=mask, other=0.0).to(tl.float32)
+    offs_i = tl.arange(0, KP)
+    shifted = tl.load(p_cs[:, None] + (offs_i + 1)[None, :] * s_c2,
+                      mask=mask[:, None] & (offs_i + 1 < K - 1)[None, :], other=0.0)
+    return acc, shifted, tl.load(conv_w + ch * s_cw0 + (K - 1), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_decode_finish(x_ptr, acc, shifted, w_last, conv_b, ch, mask, state_ty: tl.constexpr, K: tl.constexpr,
+                        KP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # ... then the input x (the last tap) + bias, SiLU, rounded to x's dtype as conv1d_update stores it. Also
+    # returns the slot's next state [old columns 1..K-2 | x] in the pool's dtype, for the caller to store once
+    # every reader has read.
+    xv = tl.load(x_ptr, mask=mask, other=0.0)
+    acc += xv.to(tl.float32) * w_last
     if HAS_BIAS:
         acc += tl.load(conv_b + ch, mask=mask, other=0.0).to(tl.float32)
     acc = acc / (1.0 + tl.exp(-acc))
     offs_i = tl.arange(0, KP)
-    shifted = tl.load(p_cs[:, None] + (offs_i + 1)[None, :] * s_c2,
-                      mask=mask[:, None] & (offs_i + 1 < K - 1)[None, :], other=0.0)
-    new = tl.where((offs_i == K - 2)[None, :], xv[:, None].to(p_cs.dtype.element_ty), shifted)
+    new = tl.where((offs_i == K - 2)[None, :], xv[:, None].to(state_ty), shifted)
     return acc.to(xv.dtype).to(tl.float32), new
 
 

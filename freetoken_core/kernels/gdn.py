@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .causal_conv1d import _conv_decode, _store_conv_state
+from .causal_conv1d import _conv_decode_finish, _conv_decode_state, _store_conv_state
 from .gdn_ref import (  # noqa: F401  (the references, beside their kernels)
     chunk_gated_delta_rule_ref, gated_rmsnorm_ref, gdn_decode_with_conv_ref, gdn_gating_ref, gdn_recurrent_update_ref,
     gdn_varlen_ref, l2norm, recurrent_gated_delta_rule_ref,
@@ -196,6 +196,15 @@ def _gdn_rows_kernel(
         bos = i_b.to(tl.int64) * R
         eos = bos + R
         S = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32)
+        if FUSED_CONV:  # the conv's state part too (its columns: see the loop); the inputs come after the wait
+            p_cq = conv_state + slot * s_c0 + (i_hk * DK + offs_k) * s_c1
+            p_ck = p_cq + HK * DK * s_c1
+            p_cv = conv_state + slot * s_c0 + (2 * HK * DK + i_h * DV + offs_v) * s_c1
+            cq_acc, cq_old, cq_w = _conv_decode_state(conv_w, p_cq, i_hk * DK + offs_k, mask_k, s_cw0, s_c2, K_CONV, KP)
+            ck_acc, ck_old, ck_w = _conv_decode_state(conv_w, p_ck, (HK + i_hk) * DK + offs_k, mask_k, s_cw0, s_c2,
+                                                      K_CONV, KP)
+            cv_acc, cv_old, cv_w = _conv_decode_state(conv_w, p_cv, 2 * HK * DK + i_h * DV + offs_v, mask_v, s_cw0,
+                                                      s_c2, K_CONV, KP)
         if USE_PDL:
             pdl_wait_then_release()
         n = tl.load(num_rows + i_b)
@@ -216,15 +225,13 @@ def _gdn_rows_kernel(
             # counter, so it is 0 again after the launch without a memset. Counting modulo N keeps this
             # exact when padded rows share the dummy slot 0 (m requests there: m * N tickets, m resets;
             # their outputs and slot 0's contents are garbage anyway, as in the unfused kernels).
-            p_cq = conv_state + slot * s_c0 + (i_hk * DK + offs_k) * s_c1
-            p_ck = p_cq + HK * DK * s_c1
-            p_cv = conv_state + slot * s_c0 + (2 * HK * DK + i_h * DV + offs_v) * s_c1
-            b_q, new_q = _conv_decode(q + t * s_qt + i_hk * s_qh + offs_k, conv_w, conv_b, p_cq, i_hk * DK + offs_k,
-                                      mask_k, s_cw0, s_c2, K_CONV, KP, HAS_CONV_BIAS)
-            b_k, new_k = _conv_decode(k + t * s_kt + i_hk * s_kh + offs_k, conv_w, conv_b, p_ck,
-                                      (HK + i_hk) * DK + offs_k, mask_k, s_cw0, s_c2, K_CONV, KP, HAS_CONV_BIAS)
-            b_v, new_v = _conv_decode(v + t * s_vt + i_h * s_vh + offs_v, conv_w, conv_b, p_cv,
-                                      2 * HK * DK + i_h * DV + offs_v, mask_v, s_cw0, s_c2, K_CONV, KP, HAS_CONV_BIAS)
+            sty = conv_state.dtype.element_ty
+            b_q, new_q = _conv_decode_finish(q + t * s_qt + i_hk * s_qh + offs_k, cq_acc, cq_old, cq_w, conv_b,
+                                             i_hk * DK + offs_k, mask_k, sty, K_CONV, KP, HAS_CONV_BIAS)
+            b_k, new_k = _conv_decode_finish(k + t * s_kt + i_hk * s_kh + offs_k, ck_acc, ck_old, ck_w, conv_b,
+                                             (HK + i_hk) * DK + offs_k, mask_k, sty, K_CONV, KP, HAS_CONV_BIAS)
+            b_v, new_v = _conv_decode_finish(v + t * s_vt + i_h * s_vh + offs_v, cv_acc, cv_old, cv_w, conv_b,
+                                             2 * HK * DK + i_h * DV + offs_v, mask_v, sty, K_CONV, KP, HAS_CONV_BIAS)
             tl.debug_barrier()  # every thread of this program has read the old columns it needs
             readers = REP * ((DV + BV - 1) // BV)  # N: the programs of one key head
             p_arr = conv_arrivals + slot * HK + i_hk

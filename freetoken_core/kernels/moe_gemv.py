@@ -279,7 +279,8 @@ def moe_gemv_down(act: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tenso
         k_chunks = triton.cdiv(inter, block_k)
         early = min(cfg.get("early", 1), top_k)
         if early > 1 and k_chunks != 1:
-            raise ValueError(f"down tile early={early} needs BLOCK_K >= the intermediate size {inter} (one chunk a route)")
+            raise ValueError(f"down tile early={early} needs BLOCK_K >= the intermediate size {inter} "
+                             "(one chunk a route)")
         _moe_gemv_down_loop_kernel[grid](*args, K_CHUNKS=k_chunks, BLOCK_K=block_k, EARLY=early,
                                          EARLY_P=triton.next_power_of_2(early), **launch)
     else:
