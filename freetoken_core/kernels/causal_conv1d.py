@@ -86,11 +86,7 @@ def _conv_update_kernel(
     offs_c = i_c * BC + tl.arange(0, BC)
     mask_c = offs_c < C
     if R == 1:
-        acc = tl.zeros((BC,), dtype=tl.float32)
-        for j in tl.static_range(K - 1):
-            sv = tl.load(state + slot * s_s0 + offs_c * s_s1 + j * s_s2, mask=mask_c, other=0.0).to(tl.float32)
-            acc += sv * tl.load(w + offs_c * s_w0 + j, mask=mask_c, other=0.0).to(tl.float32)
-        w_last = tl.load(w + offs_c * s_w0 + (K - 1), mask=mask_c, other=0.0).to(tl.float32)
+        acc, w_last = _conv_state_taps(w, state + slot * s_s0 + offs_c * s_s1, offs_c, mask_c, s_w0, s_s2, K)
         if USE_PDL:
             pdl_wait_then_release()
         acc += tl.load(x + first_row * s_xt + offs_c, mask=mask_c, other=0.0).to(tl.float32) * w_last
@@ -238,19 +234,26 @@ def causal_conv1d_varlen(
 
 
 @triton.jit
-def _conv_decode_state(conv_w, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr):
-    # causal_conv1d._conv_update_kernel at one row (R = 1) for the channels `ch` of one slot (p_cs: their state
-    # column 0), the part that reads no input (gdn.py runs it before its PDL wait): the old state columns
-    # 0..K-2 times their taps, summed in that order in fp32; the old columns 1..K-2 (the next state's start);
-    # the last tap's weight. `_conv_decode_finish` adds the input.
+def _conv_state_taps(conv_w, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr):
+    # One row's conv for the channels `ch` of one slot (p_cs: their state column 0), the part that reads no
+    # input (a PDL kernel runs it before its wait): the old state columns 0..K-2 times their taps, summed in
+    # that order in fp32, and the last tap's weight (the input's).
     acc = tl.zeros(ch.shape, dtype=tl.float32)
     for j in tl.static_range(K - 1):
         tap = tl.load(p_cs + j * s_c2, mask=mask, other=0.0).to(tl.float32)
         acc += tap * tl.load(conv_w + ch * s_cw0 + j, mask=mask, other=0.0).to(tl.float32)
+    return acc, tl.load(conv_w + ch * s_cw0 + (K - 1), mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_decode_state(conv_w, p_cs, ch, mask, s_cw0, s_c2, K: tl.constexpr, KP: tl.constexpr):
+    # causal_conv1d._conv_update_kernel at one row (R = 1) for gdn.py's fused conv, before its PDL wait:
+    # `_conv_state_taps`, and the old columns 1..K-2 (the next state's start). `_conv_decode_finish` adds the input.
+    acc, w_last = _conv_state_taps(conv_w, p_cs, ch, mask, s_cw0, s_c2, K)
     offs_i = tl.arange(0, KP)
     shifted = tl.load(p_cs[:, None] + (offs_i + 1)[None, :] * s_c2,
                       mask=mask[:, None] & (offs_i + 1 < K - 1)[None, :], other=0.0)
-    return acc, shifted, tl.load(conv_w + ch * s_cw0 + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    return acc, shifted, w_last
 
 
 @triton.jit

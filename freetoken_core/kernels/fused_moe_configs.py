@@ -60,8 +60,9 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 # Decode path: (E, H, I, dtype name) -> {"gate_up": ..., "down": ...}, each with BLOCK_N (output
 # columns per program), BLOCK_K, num_warps, num_stages; "down" may say how it covers the routes
 # (`down_routes`), and a route loop with one K chunk a route how many routes load before the PDL wait
-# ("early", default 1; kernels/moe_gemv.py, not measured yet: decode_variants dn36_early*). To be set by measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints
-# the entries; benchmarks/decode_variants.py measures a tile inside the decode graph, which decides).
+# ("early", default 1; kernels/moe_gemv.py, not measured yet: decode_variants dn36_early*). To be set by
+# measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints the entries;
+# benchmarks/decode_variants.py measures a tile inside the decode graph, which decides).
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
     # One sweep on the H200 (bf16, T = 1, k = 8, 16 routings cycled through all experts inside a CUDA
     # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.
