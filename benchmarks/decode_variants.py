@@ -190,9 +190,13 @@ VARIANTS: dict[str, Callable[[], None]] = {
                                     num_stages=3),
     "dn30_n4k1024w4s2": _decode_tile((128, 2048, 768, "default"), "down", BLOCK_N=4, BLOCK_K=1024, num_warps=4,
                                      num_stages=2),
-    # the Qwen3.6 down tile (route loop 4/512/4/3) with its first 2, 4 or 8 routes loaded before the PDL wait
+    # the Qwen3.6 down tile (route loop 4/512/4/3) with its first 1, 2, 4 (the table's) or 8 routes loaded before
+    # the PDL wait
     **{f"dn36_early{n}": _decode_tile((256, 2048, 512, "default"), "down", BLOCK_N=4, BLOCK_K=512, num_warps=4,
-                                      num_stages=3, routes="loop", early=n) for n in (2, 4, 8)},
+                                      num_stages=3, routes="loop", early=n) for n in (1, 2, 4, 8)},
+    # the 30B's down as a route loop (K 768 in one 1024 chunk) with its first 1, 4 or 8 routes loaded before the wait
+    **{f"dn30_loop_early{n}": _decode_tile((128, 2048, 768, "default"), "down", BLOCK_N=4, BLOCK_K=1024,
+                                           num_warps=4, num_stages=3, routes="loop", early=n) for n in (1, 4, 8)},
     "qkv36_n2k2048": _tile(_NG, "NORM_GEMV_CONFIGS", (9216, 2048), block_n=2, block_k=2048, num_warps=8, num_stages=1),
 }
 

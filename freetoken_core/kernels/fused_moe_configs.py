@@ -60,7 +60,7 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 # Decode path: (E, H, I, dtype name) -> {"gate_up": ..., "down": ...}, each with BLOCK_N (output
 # columns per program), BLOCK_K, num_warps, num_stages; "down" may say how it covers the routes
 # (`down_routes`), and a route loop with one K chunk a route how many routes load before the PDL wait
-# ("early", default 1; kernels/moe_gemv.py, not measured yet: decode_variants dn36_early*). To be set by
+# ("early", default 1; kernels/moe_gemv.py). To be set by
 # measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints the entries;
 # benchmarks/decode_variants.py measures a tile inside the decode graph, which decides).
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
@@ -73,9 +73,12 @@ DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
     # 2026-12-02, one run each in one call): the all-routes down tile (8/256/4/4: 16 route lanes for 9 routes,
     # the tree before) 2.86 ms a step, the route loop 4/512/4/3 2.66 ms (8/256/4/4 as a loop 2.89); gate/up
     # 4/256/4/2 against 4/128/8/3 (the isolated sweep's tile: 1,152 8-warp programs, more than one wave of the
-    # H200) 2.70 against 2.89 ms. The two new tiles were not measured together.
+    # H200) 2.70 against 2.89 ms. The two new tiles were not measured together. The route loop with its first 4
+    # routes loaded before the PDL wait ("early"; same call, 2026-12-02, two runs each): 2.425 ms a step with 1
+    # (412.4 tok/s), 2.414 with 2, 2.347 with 4 (426.1 tok/s), 2.373 with 8.
     (256, 2048, 512, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
-                                  "down": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3, routes="loop")},
+                                  "down": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3, routes="loop",
+                                               early=4)},
 }
 
 
