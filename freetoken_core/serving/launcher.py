@@ -139,19 +139,23 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
 def default_detokenizer_instances(cpus: int | None = None) -> int:
     """Detokenizer instances for this host: each is a stub process that keeps about one core busy at
     full load (~190 us of Python-backend overhead per response, issue 13), next to the engine's two
-    threads, tritonserver's own and the client's. 1 on small boxes (2 cores here), 4 on 16 or more."""
+    threads, tritonserver's own and the client's. 1 on small boxes (2 cores here), 1 per 4 CPUs up to 4
+    below 16 CPUs (not measured there), 8 on 16 or more: on the H200 host (16 cores) 6 `freetoken` and 8
+    detokenizer instances answered 10.5-10.8k responses/s at 64 streams and 1.2-1.4 tokens a response at 16,
+    against 5.9-6.3k and 2.2-2.3 with 2 and 4 (benchmarks/RESULTS.md, seventeenth session)."""
     cpus = cpus or os.cpu_count() or 1
-    return max(1, min(4, cpus // 4))
+    return 8 if cpus >= 16 else max(1, min(4, cpus // 4))
 
 
 def default_freetoken_instances(cpus: int | None = None, engine_process: bool = True) -> int:
     """`freetoken` instances for this host. Each is a stub process whose sends are serialized (one
-    `send()` is an IPC round trip to a server thread), and they share one engine process: on the H200
-    host (16 cores) two instances answered 4.5-4.7k responses/s at 16-64 streams against 2.8-3.6k for one,
-    at the same tok/s (benchmarks/RESULTS.md, fifteenth session); four were no better than two. One on
-    smaller hosts, and one when the engine runs in the model's process (engine_process=0 cannot share)."""
+    `send()` is an IPC round trip to a server thread, ~2.8k responses/s a stub), and they share one engine
+    process: on the H200 host (16 cores) six instances with 8 detokenizers answered 10.5-10.8k responses/s at
+    64 streams, four 7.3k (8.8k with 6 detokenizers), two 5.9k, at the same or higher tok/s; eight were no
+    better than six (benchmarks/RESULTS.md, seventeenth session). One on smaller hosts (not measured there),
+    and one when the engine runs in the model's process (engine_process=0 cannot share)."""
     cpus = cpus or os.cpu_count() or 1
-    return 2 if engine_process and cpus >= 16 else 1
+    return 6 if engine_process and cpus >= 16 else 1
 
 
 @dataclass

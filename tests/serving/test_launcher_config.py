@@ -104,7 +104,7 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
     from freetoken_core.serving.freetoken_model import max_inflight
     from freetoken_core.serving.launcher import default_detokenizer_instances
 
-    assert [default_detokenizer_instances(n) for n in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 4]
+    assert [default_detokenizer_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 2, 3, 8, 8]
     one = render_repository(tmp_path / "one", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "1"})
     two = render_repository(tmp_path / "two", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
     # auto: one queue keeps order anyway (4 in flight); several instances: one in flight per stream
@@ -114,10 +114,10 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
         max_inflight(-1, "")
 
 
-def test_default_freetoken_instances_two_on_big_hosts_one_without_an_engine_process():
+def test_default_freetoken_instances_six_on_big_hosts_one_without_an_engine_process():
     from freetoken_core.serving.launcher import default_freetoken_instances
 
-    assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 2, 2]
+    assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 6, 6]
     assert default_freetoken_instances(64, engine_process=False) == 1
 
 
