@@ -160,6 +160,36 @@ def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, conc
     return tokens / dt, phases.count("prefill") / len(ids)
 
 
+def bench_one_request(model_path: str, out_tokens: int, engine_kw: dict, repeats: int = 20) -> str:
+    """In-process, one request at a time on perf_analyzer's prompts (benchmarks/pa_summary.py PROMPTS): the
+    median time of LLM.generate with max_tokens=1 (the request's TTFT plus the call's own cost) and with
+    max_tokens=out_tokens, beside which pa_summary.py stream1 reads the served path's one-stream times."""
+    import statistics
+
+    from pa_summary import PROMPTS
+
+    from freetoken_core.config import SamplingParams
+    from freetoken_core.llm import LLM
+
+    llm = LLM(model_path, max_running_req=1, **engine_kw)
+    first, whole = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=out_tokens, ignore_eos=True)
+    for p in PROMPTS:  # warm up
+        llm.generate([p], whole)
+    t_first, t_whole = [], []
+    for i in range(repeats):
+        p = PROMPTS[i % len(PROMPTS)]
+        t0 = time.perf_counter()
+        llm.generate([p], first)
+        t1 = time.perf_counter()
+        llm.generate([p], whole)
+        t_first.append(t1 - t0)
+        t_whole.append(time.perf_counter() - t1)
+    del llm
+    f, w = 1000 * statistics.median(t_first), 1000 * statistics.median(t_whole)
+    return (f"| in-process one request | TTFT (max_tokens 1) {f:.2f} ms | {out_tokens} tokens {w:.2f} ms | "
+            f"per token after the first {(w - f) / max(1, out_tokens - 1):.3f} ms | {out_tokens / w * 1000:.1f} tok/s |")
+
+
 def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
                  stream: bool = True) -> tuple[float, float]:
     """Output tok/s through the ensemble (gRPC streams, a closed loop of `concurrency` clients), and the
@@ -252,7 +282,8 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--no-stream", action="store_true", help="one response per request (isolates per-response cost)")
-    p.add_argument("--only", choices=["offline", "triton"], default=None, help="run one path (for profiling)")
+    p.add_argument("--only", choices=["offline", "triton", "request"], default=None,
+                   help="run one path (for profiling); request: bench_one_request alone")
     p.add_argument("--closed-loop-ms", type=float, nargs="*", default=[],
                    help="also in-process with served arrivals: each client sends its next prompt this many ms "
                         "after its previous one finished (bench_closed_loop); several values: one column each")
@@ -278,6 +309,9 @@ def main() -> int:
     if args.load_format:
         engine_kw["load_format"] = args.load_format
     engine_kw.update(engine_fields(args.engine))
+    if args.only == "request":
+        print(bench_one_request(model_path, args.output_tokens, {**engine_kw}), flush=True)
+        return 0
     rows = []
     for c in args.concurrency:
         offline = served = float("nan")

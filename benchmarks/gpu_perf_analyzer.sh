@@ -7,6 +7,11 @@
 #         bash benchmarks/gpu_perf_analyzer.sh llama-3.2-1b
 #   CONCURRENCY="1 16 64 128" SSE_CONCURRENCY="16 64" OUT_TOKENS=128 MAX_RUNNING=128 PA_MS=6000 PA_TRIALS=6 SSE_S=10 ...
 #   TARGETS="ensemble freetoken" (which perf_analyzer targets run)
+#   STREAM1=N: then N requests one after another on one gRPC stream, timed by the client beside the
+#   `freetoken` model's own TTFT/TPOT (benchmarks/pa_summary.py stream1): where one stream's time goes;
+#   with TRACE=FILE the server also writes a Triton trace (level TIMESTAMPS, turned on only for a second
+#   STREAM1 run after the first, so that the first is untraced) and its timeline is printed
+#   CONCURRENCY="" (set, empty): no perf_analyzer runs
 #   PYSPY_OUT=DIR PYSPY_AT=64 PYSPY_S=8: while perf_analyzer runs the ensemble at concurrency PYSPY_AT, sample
 #   every Python-backend stub and the engine process with py-spy (on PATH) for PYSPY_S seconds; DIR gets one
 #   `py-spy record --format raw` file per process (collapsed stacks; benchmarks/pa_summary.py top DIR sums them)
@@ -20,7 +25,7 @@
 set -euo pipefail
 model=$1; shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
-conc=${CONCURRENCY:-"1 16 64 128"}
+conc=${CONCURRENCY-"1 16 64 128"}
 sse_conc=${SSE_CONCURRENCY-"16 64"}  # set but empty: no SSE rows
 out_tokens=${OUT_TOKENS:-128}
 max_running=${MAX_RUNNING:-128}
@@ -40,6 +45,11 @@ print(b.shape_model_dir('$model', os.environ.get('TOKENIZER_DIR') or default_mod
 fi
 echo "model: $model ${extra[*]} $*"
 python3 "$repo/benchmarks/pa_summary.py" inputs "$work" "$out_tokens"
+if [ -n "${TRACE:-}" ]; then
+  rm -f "$TRACE" "$TRACE".*
+  extra+=(--server-arg=--trace-config=triton,file=$TRACE --server-arg=--trace-config=triton,log-frequency=20
+          --server-arg=--trace-config=level=OFF)
+fi
 python3 -m freetoken_core.cli serve --model-path "$model" --device cuda --dtype bfloat16 \
   --max-running-req "$max_running" --http-port 8000 --grpc-port 8001 --metrics-port 8002 "${extra[@]}" "$@" \
   > "$work/serve.log" 2>&1 &
@@ -85,3 +95,16 @@ grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
 printf '%s\n' "${sse_rows[@]}"
+if [ -n "${STREAM1:-}" ]; then
+  timeout 300 python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+    || echo "stream1 failed"
+  if [ -n "${TRACE:-}" ]; then
+    python3 -c 'import urllib.request as u; print(u.urlopen(u.Request("http://localhost:8000/v2/trace/setting",
+      data=b"{\"trace_level\": [\"TIMESTAMPS\"], \"trace_rate\": \"1\"}", method="POST")).read().decode())'
+    echo "traced:"
+    timeout 300 python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+      || echo "stream1 failed"
+    sleep 1
+    python3 "$repo/benchmarks/pa_summary.py" trace "$TRACE"
+  fi
+fi

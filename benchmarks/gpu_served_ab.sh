@@ -16,7 +16,7 @@ settings=${2:-""}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
-export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-4} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-}
+export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-4} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"

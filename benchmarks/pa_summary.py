@@ -4,6 +4,21 @@
     python benchmarks/pa_summary.py table DIR OUT_TOKENS 1 16 64 128
     python benchmarks/pa_summary.py sse localhost:8000 CONCURRENCY SECONDS OUT_TOKENS [PROCESSES]
     python benchmarks/pa_summary.py top DIR [N]    # py-spy raw profiles (gpu_perf_analyzer.sh PYSPY_OUT)
+    python benchmarks/pa_summary.py stream1 localhost:8001 localhost:8002 REQUESTS OUT_TOKENS
+    python benchmarks/pa_summary.py trace TRACE_JSON     # tritonserver --trace-config level=TIMESTAMPS output
+
+`stream1` is where one stream's request time goes: REQUESTS requests one after another on one gRPC
+stream (the ensemble, as perf_analyzer's concurrency 1 sends them), timed by the client (send -> first
+response = TTFT, first -> last response, last response -> the next send), beside what the `freetoken`
+model saw in the same window (its TTFT and time-per-output-token histograms on the metrics port: from
+its engine loop's arrival to the first token). Client TTFT minus the model's TTFT is the front of the
+path (gRPC, ensemble, tokenizer, the stub's execute); total minus the client's TTFT minus the model's
+(n - 1) x TPOT is the back (the last response's detokenizer execute and gRPC).
+
+`trace` reads a Triton trace file (serve --server-arg=--trace-config=triton,file=F
+--server-arg=--trace-config=level=TIMESTAMPS --server-arg=--trace-config=rate=1): for every ensemble request,
+each timestamp of the ensemble and of its steps (tokenizer, freetoken, every detokenizer execution) as an
+offset from the request's arrival (its GRPC_WAITREAD_END); prints the medians in time order, so a request's path reads top down.
 
 `sse` is a small load generator for Triton's HTTP `generate_stream` (SSE) on the ensemble: CONCURRENCY
 streams spread over PROCESSES client processes (default: one per 8 streams, so the client is not the
@@ -150,6 +165,144 @@ def sse_load(url: str, concurrency: int, seconds: float, out_tokens: int, proces
             f"errors {tot['errors']}, client cpu {tot['cpu_s'] / seconds:.2f} cores over {len(parts)} procs |")
 
 
+def _histogram(metrics_url: str, name: str) -> tuple[float, float]:
+    """(sum, count) of a Prometheus histogram on Triton's metrics port, over all its label sets."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10).read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith(name + "_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def stream_one(grpc_url: str, metrics_url: str, requests: int, out_tokens: int) -> str:
+    """One stream, REQUESTS requests back to back (see the module docstring); a table of medians in ms."""
+    import queue
+    import statistics
+    import time
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+
+    def on_response(result, error):
+        now = time.perf_counter()
+        if error is not None:
+            events.put(("error", now, str(error), 0))
+            return
+        resp = result.get_response()
+        n = result.as_numpy("next_tokens").size if resp.outputs else 0
+        events.put(("final" if resp.parameters["triton_final_response"].bool_param else "part", now, resp.id, n))
+
+    def inputs(text: str) -> list:
+        ins = []
+        for name, arr, dt in [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
+                              ("max_tokens", np.array([out_tokens], np.int32), "INT32"),
+                              ("ignore_eos", np.array([True]), "BOOL"), ("stream", np.array([True]), "BOOL")]:
+            t = grpcclient.InferInput(name, list(arr.shape), dt)
+            t.set_data_from_numpy(arr)
+            ins.append(t)
+        return ins
+
+    client.start_stream(callback=on_response)
+    rows: list[dict] = []
+    ttft0 = tpot0 = None
+    last_end = None
+    for i in range(requests + 3):  # the first 3 warm the path up and are not counted
+        if i == 3:
+            ttft0, tpot0 = (_histogram(metrics_url, "freetoken_time_to_first_token_seconds"),
+                            _histogram(metrics_url, "freetoken_time_per_output_token_seconds"))
+            last_end = None
+        payload = inputs(PROMPTS[i % len(PROMPTS)])
+        t_send = time.perf_counter()
+        client.async_stream_infer("ensemble", payload, request_id=str(i), enable_empty_final_response=True)
+        first = last = None
+        tokens = responses = 0
+        while True:
+            kind, now, info, n = events.get(timeout=120)
+            if kind == "error":
+                raise RuntimeError(info)
+            if n:
+                first = first if first is not None else now
+                last, tokens, responses = now, tokens + n, responses + 1
+            if kind == "final":
+                end = now
+                break
+        if i >= 3:
+            rows.append({"ttft": first - t_send, "body": last - first, "final_after_last": end - last,
+                         "total": end - t_send, "idle_before": (t_send - last_end) if last_end else 0.0,
+                         "tokens": tokens, "responses": responses})
+        last_end = end
+    client.stop_stream()
+    ttft1 = _histogram(metrics_url, "freetoken_time_to_first_token_seconds")
+    tpot1 = _histogram(metrics_url, "freetoken_time_per_output_token_seconds")
+    ms = lambda key: 1000 * statistics.median(r[key] for r in rows)  # noqa: E731
+    mean = lambda a, b: 1000 * (b[0] - a[0]) / max(1.0, b[1] - a[1])  # noqa: E731
+    s_ttft, s_tpot = mean(ttft0, ttft1), mean(tpot0, tpot1)
+    tokens = statistics.median(r["tokens"] for r in rows)
+    back = ms("total") - ms("ttft") - (tokens - 1) * s_tpot
+    return "\n".join([
+        "| requests | tokens | responses | total ms | client TTFT | model TTFT | front (client - model TTFT) | "
+        "model TPOT | body (first -> last) | back (total - TTFT - (n-1) TPOT) | FINAL after last | client idle |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {len(rows)} | {tokens:.0f} | {statistics.median(r['responses'] for r in rows):.0f} | {ms('total'):.2f} | "
+        f"{ms('ttft'):.2f} | {s_ttft:.2f} | {ms('ttft') - s_ttft:.2f} | {s_tpot:.3f} | {ms('body'):.2f} | {back:.2f} | "
+        f"{ms('final_after_last'):.3f} | {ms('idle_before'):.3f} |"])
+
+
+def trace_timeline(path: Path) -> str:
+    """Median offsets (ms) of each (model, timestamp) from the ensemble request's first timestamp."""
+    import statistics
+
+    records: dict[int, dict] = {}
+    # with --trace-config triton,log-frequency=N the server writes PATH.0, PATH.1, ...
+    files = [path] if path.is_file() else sorted(path.parent.glob(path.name + ".*"))
+    items = [item for f in files for item in json.loads(f.read_text() or "[]")]
+    for item in items:
+        rec = records.setdefault(item["id"], {"model": None, "parent": None, "ts": {}})
+        if "model_name" in item:
+            rec["model"], rec["parent"] = item["model_name"], item.get("parent_id")
+        for t in item.get("timestamps", []):
+            rec["ts"].setdefault(t["name"], []).append(int(t["ns"]))
+    children: dict[int, list[dict]] = {}
+    for rec in records.values():
+        if rec["parent"]:
+            children.setdefault(rec["parent"], []).append(rec)
+    offsets: dict[tuple[str, str], list[float]] = {}
+    roots = [(i, r) for i, r in records.items() if r["model"] == "ensemble" and r["ts"]]
+    for rid, root in roots:
+        # from the request's arrival (a stream's GRPC_WAITREAD_START is when the server began waiting for it)
+        t0 = min(root["ts"].get("GRPC_WAITREAD_END") or root["ts"].get("REQUEST_START") or
+                 [min(min(v) for v in root["ts"].values())])
+        kids = sorted(children.get(rid, []), key=lambda r: min(min(v) for v in r["ts"].values()) if r["ts"] else 0)
+        seen: dict[str, int] = {}
+        for rec in [root, *kids]:
+            name = rec["model"] or "?"
+            if rec is not root:  # the k-th execution of a model within this request
+                seen[name] = seen.get(name, 0) + 1
+                if name == "detokenizer" and seen[name] > 2:
+                    name = "detokenizer[last]" if rec is [k for k in kids if k["model"] == "detokenizer"][-1] else None
+                elif seen[name] > 1:
+                    name = f"{name}[{seen[name]}]"
+            if name is None:
+                continue
+            for ts_name, values in rec["ts"].items():
+                for k, v in enumerate(sorted(values)[:1] + (sorted(values)[-1:] if len(values) > 1 else [])):
+                    label = ts_name if k == 0 else f"{ts_name} (last of {len(values)})"
+                    offsets.setdefault((name, label), []).append((v - t0) / 1e6)
+    rows = sorted(((statistics.median(v), m, n, len(v)) for (m, n), v in offsets.items()))
+    lines = [f"{len(roots)} ensemble requests traced", "| ms from the request's arrival (median) | model | "
+             "timestamp | requests |", "|---|---|---|---|"]
+    lines += [f"| {t:.3f} | {m} | {n} | {c} |" for t, m, n, c in rows]
+    return "\n".join(lines)
+
+
 def profile_top(folder: Path, n: int = 12) -> str:
     """Per py-spy raw profile (lines `frame;frame;... count`): the share of samples spent in each
     function itself (leaf) and under it (inclusive, once per stack), the top `n` of each."""
@@ -181,6 +334,12 @@ def profile_top(folder: Path, n: int = 12) -> str:
 def main(argv: list[str]) -> int:
     if argv[0] == "top":
         print(profile_top(Path(argv[1]), int(argv[2]) if len(argv) > 2 else 12))
+        return 0
+    if argv[0] == "trace":
+        print(trace_timeline(Path(argv[1])))
+        return 0
+    if argv[0] == "stream1":
+        print(stream_one(argv[1], argv[2], int(argv[3]), int(argv[4])))
         return 0
     if argv[0] == "sse":
         print(sse_load(argv[1], int(argv[2]), float(argv[3]), int(argv[4]), int(argv[5]) if len(argv) > 5 else 0))

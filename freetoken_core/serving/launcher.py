@@ -354,6 +354,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, help="default: a free port")
     p.add_argument("--repo-dir", type=Path, help="where to write the runtime model repository (default: a temp dir)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more tritonserver argument, as --server-arg=--trace-config=level=TIMESTAMPS (repeatable)")
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -370,7 +372,7 @@ def serve_main(args: argparse.Namespace) -> int:
         overrides[k.strip()] = v
     overrides = {k: v for k, v in overrides.items() if v is not None}
     handle = start_server(overrides, args.http_port, args.grpc_port, args.metrics_port, args.repo_dir,
-                          ready_timeout=args.ready_timeout)
+                          extra_args=args.server_arg, ready_timeout=args.ready_timeout)
     print("\nfreetoken is serving on tritonserver (Ctrl-C stops it)\n" + sample_commands(handle) + "\n", flush=True)
     stop = {"now": False}
 

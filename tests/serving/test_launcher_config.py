@@ -165,3 +165,28 @@ def test_a_reload_with_an_edited_config_meets_in_a_new_place(tmp_path: Path):
     os.utime(cfg, ns=(cfg.stat().st_atime_ns, cfg.stat().st_mtime_ns + 10**9))
     assert load_identity(args) != first
     assert load_identity({"model_name": "m"}) == "m-1"
+
+
+def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
+    """`serve --server-arg=...` (repeatable) reaches start_server's extra tritonserver arguments, in order."""
+    import argparse
+    from types import SimpleNamespace
+
+    from freetoken_core.serving import launcher
+
+    seen = {}
+
+    def fake_start_server(overrides, http_port, grpc_port, metrics_port, repo_dir, extra_args=None, **kw):
+        seen["extra_args"], seen["overrides"] = extra_args, overrides
+        proc = SimpleNamespace(returncode=0)
+        return SimpleNamespace(http_port=1, grpc_port=2, metrics_url="localhost:3", grpc_url="localhost:2",
+                               process=proc, alive=lambda: False, stop=lambda: None)
+
+    monkeypatch.setattr(launcher, "start_server", fake_start_server)
+    p = argparse.ArgumentParser()
+    launcher.add_serve_args(p)
+    args = p.parse_args(["--model-path", "/m", "--server-arg=--trace-config=level=TIMESTAMPS",
+                         "--server-arg=--trace-config=rate=1"])
+    assert launcher.serve_main(args) == 0
+    assert seen["extra_args"] == ["--trace-config=level=TIMESTAMPS", "--trace-config=rate=1"]
+    assert seen["overrides"]["model_path"] == "/m"
