@@ -294,7 +294,7 @@ def trace_timeline(path: Path) -> str:
                 continue
             for ts_name, values in rec["ts"].items():
                 for k, v in enumerate(sorted(values)[:1] + (sorted(values)[-1:] if len(values) > 1 else [])):
-                    label = ts_name if k == 0 else f"{ts_name} (last of {len(values)})"
+                    label = ts_name if k == 0 else f"{ts_name} (last)"
                     offsets.setdefault((name, label), []).append((v - t0) / 1e6)
     rows = sorted(((statistics.median(v), m, n, len(v)) for (m, n), v in offsets.items()))
     lines = [f"{len(roots)} ensemble requests traced", "| ms from the request's arrival (median) | model | "

@@ -145,6 +145,7 @@ class AckSender:
     def __init__(self) -> None:
         self._pending: dict[int, list[int]] = {}
         self._sock: socket.socket | None = None
+        self._paths: dict[int, str] = {}  # engine id -> its ack socket (a Path per flush cost more than the sendto)
 
     def add(self, engine_id: int, uid: int, seq: int) -> None:
         if engine_id > 0:
@@ -161,9 +162,17 @@ class AckSender:
             data = np.asarray(values, dtype=ACK_DTYPE).tobytes()
             try:
                 for i in range(0, len(data), 1 << 15):  # datagrams of at most 4096 acks
-                    self._sock.sendto(data[i:i + (1 << 15)], os.fspath(ack_socket_path(engine_id)))
+                    self._sock.sendto(data[i:i + (1 << 15)], self._path(engine_id))
             except OSError as e:  # engine gone (request finished / model unloaded), or its queue full
                 log.debug("ack to engine %08x not delivered: %s", engine_id, e)
+
+    def _path(self, engine_id: int) -> str:
+        path = self._paths.get(engine_id)
+        if path is None:
+            if len(self._paths) >= 1024:  # engines come and go with model reloads: keep the table small
+                self._paths.clear()
+            path = self._paths[engine_id] = os.fspath(ack_socket_path(engine_id))
+        return path
 
 
 def notify_cancel(key: str) -> bool:

@@ -96,7 +96,7 @@ def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
     m = np.asarray(meta, dtype=np.int32).reshape(-1)
     if m.size < META_HEADER:
         raise ValueError(f"meta holds {m.size} values, fewer than its {META_HEADER}-value header")
-    flags, n_in, n_out, engine, uid, seq, slot, n_ctx, n_new = (int(v) for v in m[:META_HEADER])
+    flags, n_in, n_out, engine, uid, seq, slot, n_ctx, n_new = m[:META_HEADER].tolist()
     if n_ctx < 0 or n_new < 0 or META_HEADER + n_ctx + n_new != m.size:
         raise ValueError(f"meta holds {m.size} values, but its header says {META_HEADER} + {n_ctx} context "
                          f"+ {n_new} new tokens")

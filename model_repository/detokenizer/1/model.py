@@ -32,6 +32,7 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.acks = AckSender()
         self.order = SendOrder(channel_dir)  # a stream's responses in order across instances (detok_send_order)
+        self._last_meta = (None, None)  # (inputs, their meta) of the response being sent
 
     def _detokenize(self, request, tensors):
         # the client cancelled the ensemble: stop the engine too (probes come rate-limited by the engine)
@@ -42,6 +43,7 @@ class TritonPythonModel:
         if probe and self.decoupled:
             return None  # the FINAL flag alone: nothing reaches the client
         meta = ensemble_meta_of(tensors)
+        self._last_meta = (tensors, meta)  # for _sent, right after this response's send
         out = detokenize_response(self.tok, tensors, meta)
         # another instance may still have this stream's previous response
         if meta is not None and meta.order is not None:
@@ -49,7 +51,9 @@ class TritonPythonModel:
         return out
 
     def _sent(self, tensors):
-        meta = ensemble_meta_of(tensors)
+        seen, meta = self._last_meta
+        if seen is not tensors:  # a probe, or _detokenize failed before reading it
+            meta = ensemble_meta_of(tensors)
         if meta is None:
             return
         if meta.order is not None:
