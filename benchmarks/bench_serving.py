@@ -20,7 +20,6 @@ import queue
 import sys
 import time
 
-import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -195,6 +194,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
     """Output tok/s through the ensemble (gRPC streams, a closed loop of `concurrency` clients), and the
     mean tokens per response."""
     import tritonclient.grpc as grpcclient
+    from pa_summary import ensemble_inputs
 
     from freetoken_core.serving.launcher import start_server
 
@@ -223,15 +223,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
                 done.put(("done", resp.id))
 
         def inputs(text: str):
-            ins = []
-            for name, arr, dt in [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-                                  ("max_tokens", np.array([out_tokens], np.int32), "INT32"),
-                                  ("ignore_eos", np.array([True]), "BOOL"),
-                                  ("stream", np.array([stream]), "BOOL")]:
-                t = grpcclient.InferInput(name, list(arr.shape), dt)
-                t.set_data_from_numpy(arr)
-                ins.append(t)
-            return ins
+            return ensemble_inputs(text, out_tokens, stream)
 
         client.start_stream(callback=on_response)
 

@@ -179,13 +179,27 @@ def _histogram(metrics_url: str, name: str) -> tuple[float, float]:
     return total, count
 
 
+def ensemble_inputs(text: str, out_tokens: int, stream: bool = True) -> list:
+    """gRPC inputs of one ensemble request: `text`, `out_tokens` new tokens, ignore_eos."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    ins = []
+    for name, arr, dt in [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
+                          ("max_tokens", np.array([out_tokens], np.int32), "INT32"),
+                          ("ignore_eos", np.array([True]), "BOOL"), ("stream", np.array([stream]), "BOOL")]:
+        t = grpcclient.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        ins.append(t)
+    return ins
+
+
 def stream_one(grpc_url: str, metrics_url: str, requests: int, out_tokens: int) -> str:
     """One stream, REQUESTS requests back to back (see the module docstring); a table of medians in ms."""
     import queue
     import statistics
     import time
 
-    import numpy as np
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(grpc_url)
@@ -200,16 +214,6 @@ def stream_one(grpc_url: str, metrics_url: str, requests: int, out_tokens: int) 
         n = result.as_numpy("next_tokens").size if resp.outputs else 0
         events.put(("final" if resp.parameters["triton_final_response"].bool_param else "part", now, resp.id, n))
 
-    def inputs(text: str) -> list:
-        ins = []
-        for name, arr, dt in [("text_input", np.array([text.encode()], dtype=object), "BYTES"),
-                              ("max_tokens", np.array([out_tokens], np.int32), "INT32"),
-                              ("ignore_eos", np.array([True]), "BOOL"), ("stream", np.array([True]), "BOOL")]:
-            t = grpcclient.InferInput(name, list(arr.shape), dt)
-            t.set_data_from_numpy(arr)
-            ins.append(t)
-        return ins
-
     client.start_stream(callback=on_response)
     rows: list[dict] = []
     ttft0 = tpot0 = None
@@ -219,7 +223,7 @@ def stream_one(grpc_url: str, metrics_url: str, requests: int, out_tokens: int) 
             ttft0, tpot0 = (_histogram(metrics_url, "freetoken_time_to_first_token_seconds"),
                             _histogram(metrics_url, "freetoken_time_per_output_token_seconds"))
             last_end = None
-        payload = inputs(PROMPTS[i % len(PROMPTS)])
+        payload = ensemble_inputs(PROMPTS[i % len(PROMPTS)], out_tokens)
         t_send = time.perf_counter()
         client.async_stream_infer("ensemble", payload, request_id=str(i), enable_empty_final_response=True)
         first = last = None
@@ -257,7 +261,7 @@ def stream_one(grpc_url: str, metrics_url: str, requests: int, out_tokens: int) 
 
 
 def trace_timeline(path: Path) -> str:
-    """Median offsets (ms) of each (model, timestamp) from the ensemble request's first timestamp."""
+    """Median offsets (ms) of each (model, timestamp) from the ensemble request's arrival."""
     import statistics
 
     records: dict[int, dict] = {}
@@ -281,21 +285,20 @@ def trace_timeline(path: Path) -> str:
         t0 = min(root["ts"].get("GRPC_WAITREAD_END") or root["ts"].get("REQUEST_START") or
                  [min(min(v) for v in root["ts"].values())])
         kids = sorted(children.get(rid, []), key=lambda r: min(min(v) for v in r["ts"].values()) if r["ts"] else 0)
-        seen: dict[str, int] = {}
-        for rec in [root, *kids]:
-            name = rec["model"] or "?"
-            if rec is not root:  # the k-th execution of a model within this request
-                seen[name] = seen.get(name, 0) + 1
-                if name == "detokenizer" and seen[name] > 2:
-                    name = "detokenizer[last]" if rec is [k for k in kids if k["model"] == "detokenizer"][-1] else None
-                elif seen[name] > 1:
-                    name = f"{name}[{seen[name]}]"
-            if name is None:
-                continue
+        by_model: dict[str, list[dict]] = {}
+        for rec in kids:
+            by_model.setdefault(rec["model"] or "?", []).append(rec)
+        # each model's first, second and last execution within this request (the detokenizer runs once a response)
+        named = [("ensemble", root)]
+        for model, execs in by_model.items():
+            named += [(model if k == 0 else f"{model}[2]" if k == 1 else f"{model}[last]", rec)
+                      for k, rec in enumerate(execs) if k < 2 or k == len(execs) - 1]
+        for name, rec in named:
             for ts_name, values in rec["ts"].items():
-                for k, v in enumerate(sorted(values)[:1] + (sorted(values)[-1:] if len(values) > 1 else [])):
-                    label = ts_name if k == 0 else f"{ts_name} (last)"
-                    offsets.setdefault((name, label), []).append((v - t0) / 1e6)
+                values = sorted(values)  # a decoupled request's repeated timestamps: the first and the last
+                offsets.setdefault((name, ts_name), []).append((values[0] - t0) / 1e6)
+                if len(values) > 1:
+                    offsets.setdefault((name, f"{ts_name} (last)"), []).append((values[-1] - t0) / 1e6)
     rows = sorted(((statistics.median(v), m, n, len(v)) for (m, n), v in offsets.items()))
     lines = [f"{len(roots)} ensemble requests traced", "| ms from the request's arrival (median) | model | "
              "timestamp | requests |", "|---|---|---|---|"]

@@ -32,6 +32,7 @@ response sooner; acks are ints in a fixed format, never parsed as anything else.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -57,9 +58,11 @@ def channel_dir(engine_id: int) -> Path:
     return Path(tempfile.gettempdir()) / f"{DIR_PREFIX}{engine_id:08x}"
 
 
-def ack_socket_path(engine_id: int) -> Path:
-    """Where the engine with this id receives delivery acks (the detokenizer's side computes it)."""
-    return channel_dir(engine_id) / ACK_SOCKET_NAME
+@functools.lru_cache(maxsize=1024)
+def ack_socket_path(engine_id: int) -> str:
+    """Where the engine with this id receives delivery acks (the detokenizer's side computes it, once per
+    engine: building the Path on every flush cost more than the sendto)."""
+    return os.fspath(channel_dir(engine_id) / ACK_SOCKET_NAME)
 
 
 def _make_channel_dir() -> tuple[int, Path]:
@@ -145,7 +148,6 @@ class AckSender:
     def __init__(self) -> None:
         self._pending: dict[int, list[int]] = {}
         self._sock: socket.socket | None = None
-        self._paths: dict[int, str] = {}  # engine id -> its ack socket (a Path per flush cost more than the sendto)
 
     def add(self, engine_id: int, uid: int, seq: int) -> None:
         if engine_id > 0:
@@ -162,17 +164,9 @@ class AckSender:
             data = np.asarray(values, dtype=ACK_DTYPE).tobytes()
             try:
                 for i in range(0, len(data), 1 << 15):  # datagrams of at most 4096 acks
-                    self._sock.sendto(data[i:i + (1 << 15)], self._path(engine_id))
+                    self._sock.sendto(data[i:i + (1 << 15)], ack_socket_path(engine_id))
             except OSError as e:  # engine gone (request finished / model unloaded), or its queue full
                 log.debug("ack to engine %08x not delivered: %s", engine_id, e)
-
-    def _path(self, engine_id: int) -> str:
-        path = self._paths.get(engine_id)
-        if path is None:
-            if len(self._paths) >= 1024:  # engines come and go with model reloads: keep the table small
-                self._paths.clear()
-            path = self._paths[engine_id] = os.fspath(ack_socket_path(engine_id))
-        return path
 
 
 def notify_cancel(key: str) -> bool:
