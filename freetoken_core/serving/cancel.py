@@ -190,9 +190,12 @@ class CancelCheckLimiter:
 
     `request.is_cancelled()` is an IPC round trip to the server, and a streaming request reaches
     the detokenizer once per engine step: asking every time doubled the detokenizer's IPC traffic.
-    A request (named by its cancel key) is asked on its first response and then at most every
-    `interval_s`; a cancel still reaches the engine within one interval. Keys not seen for
-    `forget_after_s` are dropped, so the table stays as small as the set of live streams.
+    A request (named by its cancel key) is asked at most every `interval_s`, from the response that
+    carries its key after the first one: not on the first response itself, whose latency is the client's time
+    to first token (and at one stream part of every request's time); the engine sends the key again
+    one interval later (engine_loop.CANCEL_KEY_INTERVAL_S), so a cancel still reaches the engine within
+    about one interval. Keys not seen for `forget_after_s` are dropped, so the table stays as small as
+    the set of live streams.
     """
 
     def __init__(self, interval_s: float = 0.2, forget_after_s: float = 60.0) -> None:
@@ -208,7 +211,10 @@ class CancelCheckLimiter:
             self._last = {k: t for k, t in self._last.items() if now - t < self.forget_after_s}
             self._next_prune = now + self.forget_after_s
         last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
+        if last is None:  # its first response: not asked (see above); counted as asked half an interval
+            self._last[key] = now - self.interval_s / 2  # ago, so the key's next coming is asked whatever its jitter
+            return False
+        if now - last < self.interval_s:
             return False
         self._last[key] = now
         return True
