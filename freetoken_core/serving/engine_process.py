@@ -28,6 +28,8 @@ error and the model unloads itself).
 from __future__ import annotations
 
 import logging
+import pickle
+import time
 from multiprocessing.connection import Client
 from types import SimpleNamespace
 from typing import Any
@@ -37,12 +39,14 @@ from freetoken_core.messages import DetokenizeMsg, EngineStats
 from freetoken_core.serving.engine_server import decode, engine_main
 from freetoken_core.serving.engine_share import INDEX_BITS, EngineRendezvous
 from freetoken_core.serving.faults import DeviceFatalError, FaultSpec
+from freetoken_core.serving.msg_ring import RING_POLL_S, MsgRing
 from freetoken_core.spawn import spawn_context
 
 log = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.002  # how long step() waits for the child's next messages before the loop looks around
 MEMBER_READY_TIMEOUT_S = 1800.0  # a member waits this long for the owner's engine build (GGUF conversion...)
+RING_BYTES = 1 << 20  # a shared-memory message ring's size when one is asked for (serving/msg_ring.py)
 
 
 class EngineProcessError(DeviceFatalError):
@@ -54,8 +58,11 @@ class EngineClient:
 
     def __init__(self, config: EngineConfig, faults: list[FaultSpec] | None = None,
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
-                 member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S) -> None:
+                 member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
+                 ring_poll_s: float = RING_POLL_S) -> None:
         self.step_wait_s = step_wait_s
+        self.ring_poll_s = ring_poll_s
+        self._ring: MsgRing | None = None  # the step messages' ring, when the engine made one for this instance
         self._uids = 0
         self._outstanding: set[int] = set()  # submitted, final message not seen yet
         self._dead: str | None = None  # why the child can run no more steps
@@ -67,12 +74,12 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share)
+            self._start_child(config, faults, share, ring_bytes)
         else:
             self._connect(share, member_ready_timeout_s)
 
     def _start_child(self, config: EngineConfig, faults: list[FaultSpec] | None,
-                     share: EngineRendezvous | None) -> None:
+                     share: EngineRendezvous | None, ring_bytes: int) -> None:
         listen = None
         if share is not None:
             self._share = share
@@ -80,7 +87,8 @@ class EngineClient:
         ctx = spawn_context()
         self._cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._out_r, self._out_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, args=(self._cmd_r, self._out_w, config, list(faults or []), listen),
+        self._proc = ctx.Process(target=engine_main,
+                                 args=(self._cmd_r, self._out_w, config, list(faults or []), listen, ring_bytes),
                                  name="freetoken-engine", daemon=False)  # daemonic processes cannot start TP ranks
         self._proc.start()
         self._cmd_r.close()
@@ -92,7 +100,8 @@ class EngineClient:
         self._ready(info)
         if share is not None:
             share.publish_ready()
-        log.info("engine process %d ready%s", self._proc.pid, f" (shared at {share.dir})" if share else "")
+        log.info("engine process %d ready%s%s", self._proc.pid, f" (shared at {share.dir})" if share else "",
+                 "; step messages through a shared-memory ring" if self._ring is not None else "")
 
     def _connect(self, share: EngineRendezvous, timeout_s: float) -> None:
         """A member: connect to the engine another instance started."""
@@ -106,9 +115,12 @@ class EngineClient:
             raise RuntimeError(f"could not join the shared engine at {share.dir}: {info}")
         self._index = info["index"]
         self._ready(info)
-        log.info("joined the shared engine at %s as instance %d", share.dir, self._index)
+        log.info("joined the shared engine at %s as instance %d%s", share.dir, self._index,
+                 "; step messages through a shared-memory ring" if self._ring is not None else "")
 
     def _ready(self, info: dict) -> None:
+        if info.get("ring"):
+            self._ring = MsgRing.attach(info["ring"])
         self._stats: EngineStats = info["stats"]
         anchors = info["anchors"]
         self.tokenizer = SimpleNamespace(anchors=anchors) if anchors is not None else None
@@ -176,15 +188,22 @@ class EngineClient:
     def _receive(self, wait_s: float) -> list[DetokenizeMsg]:
         msgs: list[DetokenizeMsg] = []
         try:
+            if self._ring is not None:
+                # the step messages come through the ring: look every ring_poll_s (this thread's wake-ups,
+                # not the engine's writes) until some come, something comes over the pipe, or wait_s passes
+                self._take_ring(msgs)
+                if not msgs and wait_s > 0:
+                    deadline = time.perf_counter() + wait_s
+                    while not msgs and not self._out_r.poll() and time.perf_counter() < deadline:
+                        time.sleep(self.ring_poll_s)
+                        self._take_ring(msgs)
+                    wait_s = 0.0
             ready = self._out_r.poll(wait_s)
             while ready:
                 kind, payload = self._out_r.recv()
+                self._take_ring(msgs)  # what the engine put in the ring before this comes first
                 if kind == "msgs":
-                    for fields in payload:
-                        msg = decode(fields)
-                        if msg.finished:
-                            self._outstanding.discard(msg.uid)
-                        msgs.append(msg)
+                    self._add_msgs(payload, msgs)
                 elif kind == "stats":
                     self._stats = payload
                 elif kind == "dead":
@@ -195,9 +214,22 @@ class EngineClient:
                     break
                 ready = self._out_r.poll()
         except (EOFError, OSError):
+            self._take_ring(msgs)
             if self._stopped is None:
                 self._dead = self._exit_text("while serving")
         return msgs
+
+    def _take_ring(self, msgs: list[DetokenizeMsg]) -> None:
+        if self._ring is not None:
+            for payload in self._ring.take():
+                self._add_msgs(pickle.loads(payload), msgs)
+
+    def _add_msgs(self, encoded: list[tuple], msgs: list[DetokenizeMsg]) -> None:
+        for fields in encoded:
+            msg = decode(fields)
+            if msg.finished:
+                self._outstanding.discard(msg.uid)
+            msgs.append(msg)
 
     def _end_outstanding(self, reason: str) -> list[DetokenizeMsg]:
         self._stopped = reason
@@ -214,6 +246,9 @@ class EngineClient:
         if self._closed:
             return
         self._closed = True
+        if self._ring is not None:  # the step messages still in it are for requests nobody waits for now
+            self._ring.close()
+            self._ring = None
         try:
             self._cmd_w.send(("stop",) if self._proc is not None else ("bye",))
         except (OSError, ValueError):

@@ -8,6 +8,7 @@ Scheduler back to back and sends each message to the instance whose request it i
 from __future__ import annotations
 
 import logging
+import pickle
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
+from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +37,22 @@ def decode(fields: tuple) -> DetokenizeMsg:
     return DetokenizeMsg(*fields)
 
 
+def make_ring(capacity: int) -> MsgRing | None:
+    """A message ring for one instance (serving/msg_ring.py), or None: off (capacity 0), not on this CPU, or
+    no room in shared memory (then the pipe carries the messages, as it always can)."""
+    if capacity <= 0 or not supported():
+        return None
+    try:
+        return MsgRing.create(capacity)
+    except OSError as e:
+        log.warning("no shared-memory message ring (%s): the step messages go over the pipe", e)
+        return None
+
+
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
-                listen: tuple[str, bytes] | None = None) -> None:
+                listen: tuple[str, bytes] | None = None, ring_bytes: int = 0) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    ring = None
     try:
         from freetoken_core.scheduler.scheduler import Scheduler
 
@@ -47,13 +62,16 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         anchors = sched.tokenizer.anchors if sched.tokenizer is not None else None
         info = {"anchors": anchors, "stats": sched.stats(), "max_req_len": sched.max_req_len, "index": 0}
         listener = Listener(listen[0], family="AF_UNIX", authkey=listen[1]) if listen is not None else None
-        out_conn.send(("ready", info))
+        ring = make_ring(ring_bytes)
+        out_conn.send(("ready", {**info, "ring": ring.path if ring is not None else None}))
     except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
         log.exception("the engine failed to start")
+        if ring is not None:
+            ring.unlink()
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         return
     try:
-        EngineServer(sched, cmd_conn, out_conn, listener, info).run()
+        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=ring_bytes).run()
     finally:
         sched.close()
 
@@ -62,12 +80,17 @@ class EngineServer:
     """The child's loop: take commands (a reader thread per connection keeps it drained, so neither
     side ever blocks on a full pipe), step the scheduler back to back while it has work, send each
     step's messages at once, each to the instance whose request it is. Connection 0 is the owner's
-    pipe pair; a shared engine accepts members on `listener` (1, 2, ...)."""
+    pipe pair; a shared engine accepts members on `listener` (1, 2, ...). With `ring_bytes` each
+    instance's step messages go through a shared-memory ring of its own (serving/msg_ring.py; `ring`:
+    the owner's, made before the ready message), everything else over its connection."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
-                 ready_info: dict | None = None) -> None:
+                 ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0) -> None:
         self.sched = sched
         self.outs: dict[int, Any] = {0: out_conn}
+        self.rings: dict[int, MsgRing] = {0: ring} if ring is not None else {}
+        self.ring_bytes = ring_bytes
+        self.gone: set[int] = set()  # connections whose reader saw the other side go (a full ring stops waiting)
         self.owner_of: dict[int, int] = {}  # request uid -> connection index
         self.orphans: set[int] = set()  # requests of a member that left: aborted, their last messages dropped
         self.requests_by_instance: dict[int, int] = {}  # how many requests each connection submitted (logged)
@@ -87,6 +110,7 @@ class EngineServer:
             while True:
                 self.commands.put((index, conn.recv()))
         except (EOFError, OSError):  # that side is gone
+            self.gone.add(index)
             self.commands.put((index, None))
 
     def _accept(self) -> None:
@@ -100,15 +124,21 @@ class EngineServer:
             except Exception as e:  # noqa: BLE001  a client that failed the authkey handshake
                 log.warning("refused a connection to the shared engine: %s", e)
                 continue
+            ring = None
             try:
                 if index >= MAX_INSTANCES:
                     conn.send(("failed", f"a shared engine serves at most {MAX_INSTANCES} instances"))
                     conn.close()
                     continue
-                conn.send(("ready", {**self.ready_info, "index": index}))  # its stats: the loop's next broadcast
+                ring = make_ring(self.ring_bytes)
+                # its stats: the loop's next broadcast
+                conn.send(("ready", {**self.ready_info, "index": index, "ring": ring.path if ring else None}))
             except (OSError, ValueError):
+                if ring is not None:
+                    ring.unlink()
+                    ring.close()
                 continue
-            self.commands.put((index, ("hello", conn)))  # before its commands: the main loop registers it
+            self.commands.put((index, ("hello", conn, ring)))  # before its commands: the main loop registers it
             reader = self._reader(index, conn)
             self.readers.append(reader)
             reader.start()
@@ -147,13 +177,16 @@ class EngineServer:
                     self.listener.close()
                 except OSError:  # its socket file is already gone
                     pass
+            for ring in self.rings.values():
+                ring.unlink()  # a reader that never attached (the reader unlinks it otherwise)
+                ring.close()
 
     def _send_msgs(self, msgs: list[DetokenizeMsg]) -> None:
         if len(self.outs) == 1 and not self.orphans:  # not shared (or no member yet): everything is the owner's
             for m in msgs:
                 if m.finished:
                     self.owner_of.pop(m.uid, None)
-            self.outs[0].send(("msgs", [encode(m) for m in msgs]))
+            self._send_encoded(0, [encode(m) for m in msgs])
             return
         groups: dict[int, list[tuple]] = {}
         for m in msgs:
@@ -164,7 +197,31 @@ class EngineServer:
             index = self.owner_of.pop(m.uid, 0) if m.finished else self.owner_of.get(m.uid, 0)
             groups.setdefault(index, []).append(encode(m))
         for index, group in groups.items():
+            self._send_encoded(index, group)
+
+    def _send_encoded(self, index: int, group: list[tuple]) -> None:
+        """One step's messages for one instance: through its ring when it has one, else its connection."""
+        ring = self.rings.get(index)
+        if ring is None:
             self._send(index, ("msgs", group))
+            return
+        payload = pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(payload) > ring.max_payload and len(group) > 1:  # a huge step: in parts, in order
+            half = len(group) // 2
+            self._send_encoded(index, group[:half])
+            self._send_encoded(index, group[half:])
+            return
+        if len(payload) > ring.max_payload:  # one message larger than a record (a huge error text)
+            self._send(index, ("msgs", group))  # after what the ring holds: the reader drains it first
+            return
+        while not ring.put(payload):  # the instance is behind: wait for room, as a full pipe would
+            if index in self.gone:
+                if index == 0:
+                    self.stopping = True  # the owner is gone, so is the model
+                else:
+                    self._drop(index)
+                return
+            time.sleep(FULL_WAIT_S)
 
     def _send(self, index: int, item: tuple) -> None:
         out = self.outs.get(index)
@@ -190,6 +247,10 @@ class EngineServer:
                 out.close()
             except OSError:
                 pass
+        ring = self.rings.pop(index, None)
+        if ring is not None:
+            ring.unlink()
+            ring.close()
         for uid in [u for u, i in self.owner_of.items() if i == index]:
             del self.owner_of[uid]
             if self.sched.abort(uid):
@@ -214,6 +275,8 @@ class EngineServer:
                 continue
             if cmd[0] == "hello":
                 self.outs[index] = cmd[1]
+                if cmd[2] is not None:
+                    self.rings[index] = cmd[2]
             elif cmd[0] == "add":
                 self.requests_by_instance[index] = self.requests_by_instance.get(index, 0) + 1
                 if index != 0 or len(self.outs) > 1:

@@ -134,7 +134,13 @@ class FreetokenModel:
             # several instances (stubs: each sends its own requests' responses) share one engine on the GPU
             share = EngineRendezvous(load_identity(args)) if instances > 1 else None
             # the fault hook goes into the child with the scheduler it wraps
-            self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share)
+            ring_kib, poll_us = self.options["engine_msg_ring_kib"], self.options["engine_msg_ring_poll_us"]
+            if ring_kib < 0:
+                raise ValueError(f"serving parameter engine_msg_ring_kib must be >= 0 (0: no ring), got {ring_kib:g}")
+            if not 10 <= poll_us <= 2000:
+                raise ValueError(f"serving parameter engine_msg_ring_poll_us must be from 10 to 2000, got {poll_us:g}")
+            self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
+                                      ring_bytes=int(ring_kib * 1024), ring_poll_s=poll_us / 1e6)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 

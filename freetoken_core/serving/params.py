@@ -51,6 +51,15 @@ SERVING_DEFAULTS: dict[str, str] = {
     # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine
     # thread runs in this process beside the sender (one GIL for both: slower at many streams).
     "engine_process": "1",
+    # KiB of a shared-memory ring through which the engine process hands each step's messages to a `freetoken`
+    # instance (serving/msg_ring.py: a memory copy on the engine's thread instead of a pipe write that wakes the
+    # instance); 0 = the pipe (the default). Opt-in: on the H200 it raised throughput at 16 and 64 streams
+    # (Llama-3.2-1B shape 64 streams +28%) but the instance then polls, so a stream's tokens arrive in lumps
+    # (one stream: ~2.3 tokens a response instead of ~1.4) and one stream is no faster (RESULTS.md, nineteenth
+    # session). x86-64 only (elsewhere: the pipe).
+    "engine_msg_ring_kib": "0",
+    # how often (us) an instance with requests in flight looks into its ring (serving/msg_ring.py RING_POLL_S)
+    "engine_msg_ring_poll_us": "250",
     # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
     # request stays on one thread (its order holds). 1 = the sender thread sends itself.

@@ -3,8 +3,9 @@ what the stateless detokenizer needs for each (response.build_ensemble_outputs: 
 window, the cancel key only now and then), and the sender thread merging what queues up per request.
 Each stream must still get exactly its own tokens, in order, byte-exact text and one FINAL: with the
 session server (one detokenizer instance on this box) and with two instances, one response in flight
-per stream (the flow control that keeps a stream in order across instances, serving/sender.py) and four
-send workers (sender_threads=4: several sends in flight at once, each request on one worker)."""
+per stream (the flow control that keeps a stream in order across instances, serving/sender.py), four
+send workers (sender_threads=4: several sends in flight at once, each request on one worker) and the step
+messages through shared-memory rings (engine_msg_ring_kib, serving/msg_ring.py: one per instance)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from freetoken_core.config import SamplingParams
+from freetoken_core.serving.msg_ring import supported as ring_supported
 
 from serving_helpers import metric, scrape_metrics
 from test_triton_server import MIXED, ensemble_inputs
@@ -51,11 +53,16 @@ def scaled_out(smollm2_path, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("triton2")
     handle = _start_scaled(smollm2_path, workdir,
                            {"FREETOKEN_DETOKENIZER_INSTANCES": "2", "FREETOKEN_FREETOKEN_INSTANCES": "2"},
-                           {"detok_max_inflight": "1", "sender_threads": "4"})
+                           {"detok_max_inflight": "1", "sender_threads": "4", "engine_msg_ring_kib": "64"})
     for model in ("detokenizer", "freetoken"):
         assert "count: 2" in (workdir / "repo" / model / "config.pbtxt").read_text()
+    from freetoken_core.serving.launcher import get_parameter
+
+    assert get_parameter((workdir / "repo" / "freetoken" / "config.pbtxt").read_text(), "engine_msg_ring_kib") == "64"
     log = (workdir / "tritonserver.log").read_text()
     assert log.count("ready (shared at") == 1 and log.count("joined the shared engine") == 1  # one engine, two instances
+    if ring_supported():
+        assert log.count("step messages through a shared-memory ring") == 2  # each instance its own
     yield handle
     handle.stop()
     # Triton spread the streams over both instances (the engine logs what each submitted when it stops)

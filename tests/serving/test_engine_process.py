@@ -14,9 +14,10 @@ from freetoken_core import LLM, SamplingParams
 from freetoken_core.config import EngineConfig
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.engine_process import EngineClient, EngineProcessError
+from freetoken_core.serving.engine_process import RING_BYTES, EngineClient, EngineProcessError
 from freetoken_core.serving.engine_server import decode, encode
 from freetoken_core.serving.faults import is_device_fatal
+from freetoken_core.serving.msg_ring import supported as ring_supported
 from freetoken_core.serving.request import ParsedRequest
 
 PROMPTS = ["Write one sentence about cats.", "Dis bonjour en français.", "数到五", "def fib(n):"]
@@ -27,9 +28,12 @@ def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=2)
 
 
-@pytest.fixture(scope="module")
-def client(smollm2_path):
-    c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2))
+@pytest.fixture(scope="module", params=[RING_BYTES, 0], ids=["ring", "pipe"])
+def client(smollm2_path, request):
+    """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py) and over the pipe."""
+    c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
+                     ring_bytes=request.param)
+    assert (c._ring is not None) == (request.param > 0 and ring_supported())
     yield c
     c.close()
 
@@ -123,7 +127,8 @@ class Recording:
 def test_a_dead_engine_process_fails_every_request_once_and_never_hangs(smollm2_path, llm):
     """The child killed mid-stream (an OOM kill, a segfault): step() raises EngineProcessError, which is
     device-fatal, so EngineLoop gives each request one FINAL error and refuses new ones."""
-    client = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2))
+    client = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
+                          ring_bytes=RING_BYTES)  # the ring's messages before the death still arrive
     transport = Recording(expected=3)
     loop = EngineLoop(client, transport, LoopOptions())
     loop.start()
@@ -178,12 +183,13 @@ def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
 
     config = EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2)
     name = f"test-{secrets.token_hex(4)}"
-    owner = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()))
+    owner = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()), ring_bytes=RING_BYTES)
     member = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()))
     late = None
     try:
         assert owner._proc is not None and member._proc is None  # one child process
         assert (owner._index, member._index) == (0, 1)
+        assert (member._ring is not None) == ring_supported()  # each instance its own ring
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         expected = llm.generate(PROMPTS, params)
         uids = [(owner if i % 2 == 0 else member).add_request(llm.encode(p), params) for i, p in enumerate(PROMPTS)]

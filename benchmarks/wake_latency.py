@@ -1,0 +1,173 @@
+"""How long the served path's hand-offs take on this host (issue 13: one stream's request crosses ~10 of them).
+
+Each row: a sender stamps time.perf_counter() (CLOCK_MONOTONIC, comparable across processes) and hands over;
+the receiver stamps when it has the item. Hand-offs are spaced GAP_MS apart, so the receiving thread's core
+idles in between as it does between one request's end and the next one's start at one stream. Rows:
+- thread Event: a blocked `Event.wait()` woken by `set()` (the stub's execute -> engine thread);
+- thread SimpleQueue: a blocked `get(timeout)` woken by `put()` (the engine process's reader -> main thread);
+- process pipe, blocked: `Connection.recv()` in another process (stub <-> engine process);
+- process pipe, spinning: the receiver polls `Connection.poll(0)` in a loop instead of blocking;
+- thread SimpleQueue, spinning: `get_nowait()` + `time.sleep(0)` in a loop.
+Then the cost of one step's message on the engine process's pipe (encode + pickle + write), per call.
+
+  python3 benchmarks/wake_latency.py [--n 300] [--gap-ms 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import queue
+import statistics
+import threading
+import time
+
+
+def _summary(name: str, lat_s: list[float]) -> str:
+    us = sorted(1e6 * x for x in lat_s)
+    return (f"| {name} | {statistics.median(us):.1f} | {us[int(0.9 * len(us))]:.1f} | "
+            f"{us[min(len(us) - 1, int(0.99 * len(us)))]:.1f} |")
+
+
+def thread_event(n: int, gap: float) -> list[float]:
+    ev, done, lat = threading.Event(), threading.Event(), []
+    sent = [0.0]
+
+    def waiter() -> None:
+        for _ in range(n):
+            ev.wait()
+            lat.append(time.perf_counter() - sent[0])
+            ev.clear()
+            done.set()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    for _ in range(n):
+        time.sleep(gap)
+        done.clear()
+        sent[0] = time.perf_counter()
+        ev.set()
+        done.wait()
+    t.join()
+    return lat
+
+
+def thread_queue(n: int, gap: float, spin: bool) -> list[float]:
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    back: queue.SimpleQueue = queue.SimpleQueue()
+
+    def waiter() -> None:
+        for _ in range(n):
+            if spin:
+                while True:
+                    try:
+                        t0 = q.get_nowait()
+                        break
+                    except queue.Empty:
+                        time.sleep(0)
+            else:
+                t0 = q.get(timeout=10.0)
+            back.put(time.perf_counter() - t0)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    lat = []
+    for _ in range(n):
+        time.sleep(gap)
+        q.put(time.perf_counter())
+        lat.append(back.get())
+    t.join()
+    return lat
+
+
+def _pipe_receiver(conn, back, n: int, spin: bool) -> None:
+    for _ in range(n):
+        if spin:
+            while not conn.poll(0):
+                pass
+        t0 = conn.recv()
+        back.send(time.perf_counter() - t0)
+
+
+def process_pipe(n: int, gap: float, spin: bool) -> list[float]:
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    back_r, back_w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_pipe_receiver, args=(r, back_w, n, spin))
+    p.start()
+    lat = []
+    for _ in range(n):
+        time.sleep(gap)
+        w.send(time.perf_counter())
+        lat.append(back_r.recv())
+    p.join()
+    return lat
+
+
+def _drain(conn, spin: bool) -> None:
+    while True:
+        if spin:
+            while not conn.poll(0):
+                pass
+        else:
+            conn.poll(None)
+        try:
+            if conn.recv() is None:
+                return
+        except EOFError:
+            return
+
+
+def message_cost(n: int, gap: float, spin: bool) -> tuple[float, float]:
+    """(encode + pickle, encode + pickle + Connection.send) per message, messages GAP apart, the reader
+    blocked in poll (as the stub's engine thread is between steps) or spinning."""
+    import pickle
+
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.engine_server import encode
+
+    ctx = mp.get_context("spawn")
+    r, w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_drain, args=(r, spin))
+    p.start()
+    r.close()
+    msg = DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7)
+    w.send(("msgs", [encode(msg)]))
+    time.sleep(0.5)  # the reader is up
+    pickled, sent = [], []
+    for _ in range(n):
+        time.sleep(gap)
+        t0 = time.perf_counter()
+        pickle.dumps(("msgs", [encode(msg)]))
+        t1 = time.perf_counter()
+        w.send(("msgs", [encode(msg)]))
+        t2 = time.perf_counter()
+        pickled.append(t1 - t0)
+        sent.append(t2 - t1 + (t1 - t0))
+    w.send(None)
+    w.close()
+    p.join()
+    return statistics.median(pickled), statistics.median(sent)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--gap-ms", type=float, default=5.0)
+    a = ap.parse_args()
+    gap = a.gap_ms / 1e3
+    print(f"hand-off latency, {a.n} hand-offs {a.gap_ms:g} ms apart")
+    print("| hand-off | p50 us | p90 us | p99 us |\n|---|---|---|---|")
+    print(_summary("thread Event (blocked wait)", thread_event(a.n, gap)))
+    print(_summary("thread SimpleQueue (blocked get)", thread_queue(a.n, gap, spin=False)))
+    print(_summary("thread SimpleQueue (spinning get_nowait + sleep(0))", thread_queue(a.n, gap, spin=True)))
+    print(_summary("process pipe (blocked recv)", process_pipe(a.n, gap, spin=False)))
+    print(_summary("process pipe (spinning poll(0))", process_pipe(a.n, gap, spin=True)))
+    for spin in (False, True):
+        pickled, sent = message_cost(a.n, 0.0007, spin)
+        print(f"one step's message on the engine pipe, 0.7 ms apart, reader {'spinning' if spin else 'blocked'}: "
+              f"encode + pickle {1e6 * pickled:.2f} us, + Connection.send {1e6 * sent:.2f} us (medians)")
+
+
+if __name__ == "__main__":
+    main()
