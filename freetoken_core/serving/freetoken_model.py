@@ -19,7 +19,7 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
-    engine_config_from_params, parse_model_config_params, sender_threads, serving_options, stream_interval,
+    engine_config_from_params, msg_ring, parse_model_config_params, sender_threads, serving_options, stream_interval,
 )
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
@@ -134,13 +134,9 @@ class FreetokenModel:
             # several instances (stubs: each sends its own requests' responses) share one engine on the GPU
             share = EngineRendezvous(load_identity(args)) if instances > 1 else None
             # the fault hook goes into the child with the scheduler it wraps
-            ring_kib, poll_us = self.options["engine_msg_ring_kib"], self.options["engine_msg_ring_poll_us"]
-            if ring_kib < 0:
-                raise ValueError(f"serving parameter engine_msg_ring_kib must be >= 0 (0: no ring), got {ring_kib:g}")
-            if not 10 <= poll_us <= 2000:
-                raise ValueError(f"serving parameter engine_msg_ring_poll_us must be from 10 to 2000, got {poll_us:g}")
+            ring_bytes, ring_poll_s = msg_ring(self.options)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
-                                      ring_bytes=int(ring_kib * 1024), ring_poll_s=poll_us / 1e6)
+                                      ring_bytes=ring_bytes, ring_poll_s=ring_poll_s)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 

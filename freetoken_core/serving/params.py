@@ -158,6 +158,17 @@ def sender_threads(options: Mapping[str, float]) -> int:
     return int(value)
 
 
+def msg_ring(options: Mapping[str, float]) -> tuple[int, float]:
+    """(bytes of each instance's message ring, 0 = the pipe; seconds between an instance's looks into it)."""
+    kib, poll_us = options["engine_msg_ring_kib"], options["engine_msg_ring_poll_us"]
+    if kib != int(kib) or not 0 <= kib <= 1 << 20:
+        raise ValueError(f"serving parameter engine_msg_ring_kib must be a whole number from 0 (no ring) to "
+                         f"{1 << 20}, got {kib:g}")
+    if not 10 <= poll_us <= 2000:
+        raise ValueError(f"serving parameter engine_msg_ring_poll_us must be from 10 to 2000, got {poll_us:g}")
+    return int(kib) * 1024, poll_us / 1e6
+
+
 def stream_interval(options: Mapping[str, float]) -> int:
     value = options["stream_interval"]
     if value != int(value) or value < 1:

@@ -132,6 +132,17 @@ def test_sender_threads_and_engine_process_parameters():
             sender_threads(serving_options({"sender_threads": bad}))
 
 
+def test_message_ring_parameters():
+    from freetoken_core.serving.params import msg_ring, serving_options
+
+    assert msg_ring(serving_options({})) == (0, 250e-6)  # off by default: the pipe
+    assert msg_ring(serving_options({"engine_msg_ring_kib": "64", "engine_msg_ring_poll_us": "500"})) == (65536, 5e-4)
+    for name, bad, words in (("engine_msg_ring_kib", "-1", "from 0"), ("engine_msg_ring_kib", "1.5", "whole"),
+                             ("engine_msg_ring_poll_us", "5", "from 10 to 2000")):
+        with pytest.raises(ValueError, match=words):
+            msg_ring(serving_options({name: bad}))
+
+
 def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path: Path):
     """FREETOKEN_FREETOKEN_INSTANCES=N renders N `freetoken` instances (they share one engine process,
     serving/engine_share.py); N > 1 with the engine in the model's own process would start N engines on
