@@ -41,8 +41,9 @@ WRAP = 0xFFFFFFFF
 # how long the stub's engine thread sleeps between looks while requests are in flight (serving parameter
 # engine_msg_ring_poll_us). Not much shorter: a thread that wakes this often retakes the GIL before the stub's
 # other threads (the sender, execute) wake on theirs (~50 us here), starving them up to the 5 ms switch interval
-# (measured with 50 us on the H200 host: the first response 0.9 ms later, a stream's tokens in lumps)
-RING_POLL_S = 250e-6
+# (measured with 50 us on the H200 host: the first response 0.9 ms later, a stream's tokens in lumps). 500 us
+# against 250 there: 64 streams +15%, 16 streams -2.5%, one stream the same (RESULTS.md, nineteenth session)
+RING_POLL_S = 500e-6
 FULL_WAIT_S = 50e-6  # how long the engine sleeps before it looks again at a full ring
 
 

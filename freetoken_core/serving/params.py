@@ -59,7 +59,7 @@ SERVING_DEFAULTS: dict[str, str] = {
     # session). x86-64 only (elsewhere: the pipe).
     "engine_msg_ring_kib": "0",
     # how often (us) an instance with requests in flight looks into its ring (serving/msg_ring.py RING_POLL_S)
-    "engine_msg_ring_poll_us": "250",
+    "engine_msg_ring_poll_us": "500",
     # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
     # request stays on one thread (its order holds). 1 = the sender thread sends itself.

@@ -135,7 +135,7 @@ def test_sender_threads_and_engine_process_parameters():
 def test_message_ring_parameters():
     from freetoken_core.serving.params import msg_ring, serving_options
 
-    assert msg_ring(serving_options({})) == (0, 250e-6)  # off by default: the pipe
+    assert msg_ring(serving_options({})) == (0, 500e-6)  # off by default: the pipe
     assert msg_ring(serving_options({"engine_msg_ring_kib": "64", "engine_msg_ring_poll_us": "500"})) == (65536, 5e-4)
     for name, bad, words in (("engine_msg_ring_kib", "-1", "from 0"), ("engine_msg_ring_kib", "1.5", "whole"),
                              ("engine_msg_ring_poll_us", "5", "from 10 to 2000")):
