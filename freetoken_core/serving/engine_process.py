@@ -101,7 +101,7 @@ class EngineClient:
         if share is not None:
             share.publish_ready()
         log.info("engine process %d ready%s%s", self._proc.pid, f" (shared at {share.dir})" if share else "",
-                 "; step messages through a shared-memory ring" if self._ring is not None else "")
+                 self._ring_note())
 
     def _connect(self, share: EngineRendezvous, timeout_s: float) -> None:
         """A member: connect to the engine another instance started."""
@@ -115,8 +115,10 @@ class EngineClient:
             raise RuntimeError(f"could not join the shared engine at {share.dir}: {info}")
         self._index = info["index"]
         self._ready(info)
-        log.info("joined the shared engine at %s as instance %d%s", share.dir, self._index,
-                 "; step messages through a shared-memory ring" if self._ring is not None else "")
+        log.info("joined the shared engine at %s as instance %d%s", share.dir, self._index, self._ring_note())
+
+    def _ring_note(self) -> str:
+        return "; step messages through a shared-memory ring" if self._ring is not None else ""
 
     def _ready(self, info: dict) -> None:
         if info.get("ring"):

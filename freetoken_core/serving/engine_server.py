@@ -67,7 +67,7 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
     except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
         log.exception("the engine failed to start")
         if ring is not None:
-            ring.unlink()
+            ring.discard()
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         return
     try:
@@ -135,8 +135,7 @@ class EngineServer:
                 conn.send(("ready", {**self.ready_info, "index": index, "ring": ring.path if ring else None}))
             except (OSError, ValueError):
                 if ring is not None:
-                    ring.unlink()
-                    ring.close()
+                    ring.discard()
                 continue
             self.commands.put((index, ("hello", conn, ring)))  # before its commands: the main loop registers it
             reader = self._reader(index, conn)
@@ -178,8 +177,7 @@ class EngineServer:
                 except OSError:  # its socket file is already gone
                     pass
             for ring in self.rings.values():
-                ring.unlink()  # a reader that never attached (the reader unlinks it otherwise)
-                ring.close()
+                ring.discard()  # its name too, for a reader that never attached (one that did unlinked it)
 
     def _send_msgs(self, msgs: list[DetokenizeMsg]) -> None:
         if len(self.outs) == 1 and not self.orphans:  # not shared (or no member yet): everything is the owner's
@@ -249,8 +247,7 @@ class EngineServer:
                 pass
         ring = self.rings.pop(index, None)
         if ring is not None:
-            ring.unlink()
-            ring.close()
+            ring.discard()
         for uid in [u for u, i in self.owner_of.items() if i == index]:
             del self.owner_of[uid]
             if self.sched.abort(uid):

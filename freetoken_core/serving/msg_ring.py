@@ -149,6 +149,11 @@ class MsgRing:
         self._counters[8] = read  # frees the room (after the copies)
         return out
 
+    def discard(self) -> None:
+        """The writer's end when its reader may never have attached: the name removed, the mapping closed."""
+        self.unlink()
+        self.close()
+
     def close(self) -> None:
         if self._mm.closed:
             return

@@ -78,6 +78,5 @@ def test_a_full_ring_refuses_and_takes_again_once_read():
 def test_an_unattached_ring_is_removed_by_its_writer():
     writer = MsgRing.create(4096)
     assert os.path.exists(writer.path) and (os.stat(writer.path).st_mode & 0o777) == 0o600
-    writer.unlink()
-    writer.close()
+    writer.discard()
     assert not os.path.exists(writer.path)
