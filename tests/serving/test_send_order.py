@@ -14,7 +14,7 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.response import read_ensemble_meta
 from freetoken_core.serving.send_order import ORDER_FILE, OrderTable, SendOrder, SlotAllocator
 from freetoken_core.serving.text_models import detokenize_response, order_of
-from test_engine_loop import AckingTransport, run_acked_streams
+from test_engine_loop import AckingTransport, RecordingTransport, run_acked_streams
 
 
 def test_a_response_waits_for_the_one_before_it_and_slots_never_go_back(tmp_path):
@@ -68,6 +68,57 @@ def test_two_instances_taking_a_streams_responses_out_of_order_send_them_in_orde
     assert sent == list(range(60))
 
 
+class AcksHeldUntilWindowFull(AckingTransport):
+    """A detokenizer that falls behind however fast or slow the engine steps: the first response is acked at
+    once (so the loop knows acks arrive), later ones of a stream only once `window` are unacked, and then
+    0.3 s late, so a fifth sent against a full window would show in most_unacked. A final response, or
+    10 s without the window filling (a broken window), releases what is held instead of hanging."""
+
+    def __init__(self, window: int) -> None:
+        super().__init__(0.0)
+        self.window = window
+        self.first = True
+        self.held: dict[str, list] = {}
+
+    def send(self, handle, outputs, error, final) -> None:
+        meta = None if outputs is None else outputs.get("meta")
+        ack_ids = None if meta is None else read_ensemble_meta(meta).ack
+        RecordingTransport.send(self, handle, outputs, error, final)
+        if ack_ids is None:
+            return
+        with self.lock:
+            if self.first:
+                self.first = False
+                self._release([(handle, ack_ids, False)], 0.0)
+                return
+            if not final:
+                self.unacked[handle] = self.unacked.get(handle, 0) + 1
+                self.most_unacked = max(self.most_unacked, self.unacked[handle])
+            held = self.held.setdefault(handle, [])
+            held.append((handle, ack_ids, not final))
+            if final or self.unacked.get(handle, 0) >= self.window:
+                self._release(self.held.pop(handle), 0.0 if final else 0.3)
+            elif len(held) == 1:
+                threading.Timer(10.0, self._release_held, args=(handle,)).start()
+
+    def _release_held(self, handle) -> None:
+        with self.lock:
+            held = self.held.pop(handle, None)
+        if held:
+            self._release(held, 0.0)
+
+    def _release(self, held: list, delay_s: float) -> None:
+        def ack() -> None:
+            with self.lock:
+                for handle, ack_ids, counted in held:
+                    if counted:
+                        self.unacked[handle] -= 1
+                    self.acks.add(*ack_ids)
+                self.acks.flush()
+
+        threading.Timer(delay_s, ack).start()
+
+
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=8)
@@ -80,7 +131,7 @@ def test_engine_numbers_each_streams_responses_and_keeps_several_in_flight(llm):
     prompts = ["Write one sentence about cats.", "数到五"]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     expected = llm.generate(prompts, params)
-    transport = AckingTransport(ack_delay_s=0.15)
+    transport = AcksHeldUntilWindowFull(window=4)
 
     def slots_come_back(loop: EngineLoop) -> None:  # once the last responses are acked
         slots = loop.sender._slots
@@ -91,7 +142,7 @@ def test_engine_numbers_each_streams_responses_and_keeps_several_in_flight(llm):
 
     run_acked_streams(llm, prompts, params, transport, LoopOptions(max_inflight=4, send_order=True),
                       before_stop=slots_come_back)
-    assert 1 < transport.most_unacked <= 4
+    assert transport.most_unacked == 4  # the window filled, and no fifth went out while it was full
     slots = set()
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
