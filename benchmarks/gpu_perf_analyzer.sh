@@ -15,6 +15,11 @@
 #   PYSPY_OUT=DIR PYSPY_AT=64 PYSPY_S=8: while perf_analyzer runs the ensemble at concurrency PYSPY_AT, sample
 #   every Python-backend stub and the engine process with py-spy (on PATH) for PYSPY_S seconds; DIR gets one
 #   `py-spy record --format raw` file per process (collapsed stacks; benchmarks/pa_summary.py top DIR sums them)
+#   CPU_USAGE=1: after the table, the cores each process group used during each perf_analyzer run and how busy
+#   the host was (benchmarks/cpu_usage.py)
+#   ENGINE_CPUS=LIST (taskset syntax, e.g. 15 or 14,15): once the server is up, the engine process is pinned to
+#   those CPUs and everything else of the server, and perf_analyzer, to the others (an experiment: does the
+#   engine's thread lose steps to the rest of the served path's CPU work?)
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
 # of TOKENIZER_DIR (default: the SmolLM2 dir freetoken_core resolves), served with load_format=dummy.
 # A MODEL_DIR may hold only config.json + tokenizer files with `--param load_format=dummy` too.
@@ -64,6 +69,22 @@ done
 ready || { tail -40 "$work/serve.log"; exit 1; }
 grep -m1 -o "model instances: .*" "$work/serve.log" || true
 echo "server ready"
+pin=()
+if [ -n "${ENGINE_CPUS:-}" ]; then
+  rest=$(python3 -c "import os, sys
+mine = set()
+for part in sys.argv[1].split(','):
+    lo, _, hi = part.partition('-')
+    mine |= set(range(int(lo), int(hi or lo) + 1))
+print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - mine)))" "$ENGINE_CPUS")
+  for pid in $(pgrep -f "multiprocessing.spawn"); do taskset -a -p -c "$ENGINE_CPUS" "$pid" > /dev/null; done
+  for pid in $(pgrep -f triton_python_backend_stub) $(pgrep -x tritonserver); do
+    pgrep -f "multiprocessing.spawn" | grep -qx "$pid" || taskset -a -p -c "$rest" "$pid" > /dev/null
+  done
+  pin=(taskset -c "$rest")
+  echo "engine pinned to cpus $ENGINE_CPUS, the rest to $rest"
+fi
+cpu_lines=()
 profile() {  # py-spy every stub process (named by its model) and the engine child, in the background
   sleep 3
   for pid in $(pgrep -f triton_python_backend_stub) $(pgrep -f "multiprocessing.spawn"); do
@@ -77,10 +98,15 @@ for target in ${TARGETS:-ensemble freetoken}; do
   for c in $conc; do
     if [ -n "${PYSPY_OUT:-}" ] && [ "$target" = ensemble ] && [ "$c" = "${PYSPY_AT:-64}" ]; then
       mkdir -p "$PYSPY_OUT"; profile & fi
-    timeout 120 perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
+    [ -z "${CPU_USAGE:-}" ] || python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-a.json"
+    timeout 120 "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
       --measurement-interval "$pa_ms" --stability-percentage 50 --max-trials "${PA_TRIALS:-6}" --percentile 50 \
       -f "$work/$target-$c.csv" --verbose-csv > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
+    if [ -n "${CPU_USAGE:-}" ]; then
+      python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-b.json"
+      cpu_lines+=("$target $c: $(python3 "$repo/benchmarks/cpu_usage.py" diff "$work/cpu-a.json" "$work/cpu-b.json")")
+    fi
   done
 done
 sse_rows=()
@@ -95,6 +121,7 @@ grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
 printf '%s\n' "${sse_rows[@]}"
+[ ${#cpu_lines[@]} -eq 0 ] || printf '%s\n' "${cpu_lines[@]}"
 if [ -n "${STREAM1:-}" ]; then
   timeout 300 python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
     || echo "stream1 failed"

@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_served_ab.sh smollm2-135m \
 #     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
 # An empty SETTING ("") is the defaults. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (4) as in
-# gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side. About 60 s for the in-process side and 80-110 s per
+# gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
+# (default 64) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
 set -euo pipefail
 shape=$1
@@ -20,11 +21,13 @@ export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-4} TARGETS=${TARGETS:-ensembl
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
-if [ "${INPROCESS:-1}" = 1 ]; then
-  echo "=== in-process $shape"
+inprocess() {
+  echo "=== in-process $shape${1:-}"
   python3 "$repo/benchmarks/bench_serving.py" --model-path "$TOKENIZER_DIR" --shape "$shape" --device cuda \
-    --dtype bfloat16 --concurrency $CONCURRENCY --requests 64 --rounds 3 --only offline 2>&1 | grep "in-process LLM"
-fi
+    --dtype bfloat16 --concurrency $CONCURRENCY --requests ${REQUESTS:-64} --rounds 3 --only offline 2>&1 \
+    | grep "in-process LLM"
+}
+[ "${INPROCESS:-1}" = 0 ] || inprocess
 IFS=';' read -ra runs <<< "$settings"
 [ ${#runs[@]} -gt 0 ] || runs=("")
 for setting in "${runs[@]}"; do
@@ -32,3 +35,5 @@ for setting in "${runs[@]}"; do
   # the sender's last lines (its rate, send() cost, ack round trip) and the table
   env $setting bash "$repo/benchmarks/gpu_perf_analyzer.sh" "$shape" 2>&1 | tail -${TAIL:-12}
 done
+# INPROCESS=2: the in-process side once more after the served settings (how far the host drifted meanwhile)
+[ "${INPROCESS:-1}" != 2 ] || inprocess " (again)"
