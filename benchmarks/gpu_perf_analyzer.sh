@@ -20,6 +20,8 @@
 #   ENGINE_CPUS=LIST (taskset syntax, e.g. 15 or 14,15): once the server is up, the engine process is pinned to
 #   those CPUs and everything else of the server, and perf_analyzer, to the others (an experiment: does the
 #   engine's thread lose steps to the rest of the served path's CPU work?)
+#   DETOK_NICE=N: once the server is up, the detokenizer stubs run at nice N (another experiment: under a full
+#   host the engine and the `freetoken` stubs win the CPU, and a stream's tokens merge in the detokenizer's queue)
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
 # of TOKENIZER_DIR (default: the SmolLM2 dir freetoken_core resolves), served with load_format=dummy.
 # A MODEL_DIR may hold only config.json + tokenizer files with `--param load_format=dummy` too.
@@ -83,6 +85,13 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - mine)))" "$ENGIN
   done
   pin=(taskset -c "$rest")
   echo "engine pinned to cpus $ENGINE_CPUS, the rest to $rest"
+fi
+if [ -n "${DETOK_NICE:-}" ]; then
+  for pid in $(pgrep -f "detokenizer/1/model.py"); do renice -n "$DETOK_NICE" -p "$pid" > /dev/null; done
+  for pid in $(pgrep -f "detokenizer/1/model.py"); do  # every thread of each stub
+    for task in /proc/$pid/task/*; do renice -n "$DETOK_NICE" -p "${task##*/}" > /dev/null 2>&1 || true; done
+  done
+  echo "detokenizer stubs at nice $DETOK_NICE"
 fi
 cpu_lines=()
 profile() {  # py-spy every stub process (named by its model) and the engine child, in the background
