@@ -24,7 +24,7 @@ model: install
 
 test: install
 	$(VENV)/bin/freetoken-core fetch-model
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 serve: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/freetoken-core serve $(SERVE_ARGS)

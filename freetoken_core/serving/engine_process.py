@@ -59,7 +59,8 @@ class EngineClient:
     def __init__(self, config: EngineConfig, faults: list[FaultSpec] | None = None,
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
-                 ring_poll_s: float = RING_POLL_S) -> None:
+                 ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset()) -> None:
+        """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started)."""
         self.step_wait_s = step_wait_s
         self.ring_poll_s = ring_poll_s
         self._ring: MsgRing | None = None  # the step messages' ring, when the engine made one for this instance
@@ -74,12 +75,12 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ring_bytes)
+            self._start_child(config, faults, share, ring_bytes, engine_cpus)
         else:
             self._connect(share, member_ready_timeout_s)
 
     def _start_child(self, config: EngineConfig, faults: list[FaultSpec] | None,
-                     share: EngineRendezvous | None, ring_bytes: int) -> None:
+                     share: EngineRendezvous | None, ring_bytes: int, engine_cpus: frozenset[int]) -> None:
         listen = None
         if share is not None:
             self._share = share
@@ -88,7 +89,8 @@ class EngineClient:
         self._cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._out_r, self._out_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=engine_main,
-                                 args=(self._cmd_r, self._out_w, config, list(faults or []), listen, ring_bytes),
+                                 args=(self._cmd_r, self._out_w, config, list(faults or []), listen, ring_bytes,
+                                       engine_cpus),
                                  name="freetoken-engine", daemon=False)  # daemonic processes cannot start TP ranks
         self._proc.start()
         self._cmd_r.close()

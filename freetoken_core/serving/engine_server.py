@@ -18,6 +18,7 @@ from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg
+from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_process
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
@@ -50,10 +51,14 @@ def make_ring(capacity: int) -> MsgRing | None:
 
 
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
-                listen: tuple[str, bytes] | None = None, ring_bytes: int = 0) -> None:
+                listen: tuple[str, bytes] | None = None, ring_bytes: int = 0,
+                engine_cpus: frozenset[int] = frozenset()) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     ring = None
     try:
+        if engine_cpus:  # before the model loads: every thread started from here on stays there too
+            pin_this_process(engine_cpus)
+            log.info("engine process on CPU(s) %s", format_cpu_list(engine_cpus))
         from freetoken_core.scheduler.scheduler import Scheduler
 
         sched = Scheduler(config)

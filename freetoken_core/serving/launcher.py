@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+from freetoken_core.serving.cpu_affinity import format_cpu_list, keep_off, parse_cpu_list, resolve_engine_cpus
 from freetoken_core.serving.params import all_param_names, env_overrides
 from freetoken_core.serving.tritonserver import find_tritonserver, server_env
 
@@ -119,6 +120,11 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
     for model in ("tokenizer", "detokenizer"):
         p = dest / model / "config.pbtxt"
         p.write_text(set_parameter(p.read_text(), "model_path", model_path))
+    engine_cpus = get_parameter(text, "engine_cpus") or ""
+    if engine_cpus.strip():  # "auto" becomes the list it means here, where the whole host is in view
+        ranks = int(get_parameter(text, "tensor_parallel_size") or 1)
+        text = set_parameter(text, "engine_cpus", format_cpu_list(resolve_engine_cpus(engine_cpus, ranks)))
+        cfg_path.write_text(text)
     if float(get_parameter(text, "nonstream_cancel_probe_ms") or 0) > 0:
         # probes must end inside the detokenizer without a response: only a decoupled model can do that
         p = dest / "detokenizer" / "config.pbtxt"
@@ -247,7 +253,9 @@ def start_server(
         repo_dir = Path(tempfile.mkdtemp(prefix="freetoken-repo-"))
         owned.append(repo_dir)
     render_repository(Path(repo_dir), overrides)
-    handle = spawn_tritonserver(Path(repo_dir), http_port, grpc_port, metrics_port, log_path, extra_args)
+    engine_cpus = get_parameter((Path(repo_dir) / "freetoken" / "config.pbtxt").read_text(), "engine_cpus") or ""
+    handle = spawn_tritonserver(Path(repo_dir), http_port, grpc_port, metrics_port, log_path, extra_args,
+                                cpus_off=parse_cpu_list(engine_cpus) if engine_cpus else frozenset())
     handle._owned_dirs.extend(owned)
     try:
         wait_ready(handle, ready_timeout)
@@ -265,8 +273,10 @@ def spawn_tritonserver(
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
     env: Mapping[str, str] | None = None,
+    cpus_off: frozenset[int] = frozenset(),
 ) -> ServerHandle:
-    """Start tritonserver on `repo_dir` (free ports unless given); does not wait for readiness.
+    """Start tritonserver on `repo_dir` (free ports unless given); does not wait for readiness. With `cpus_off`
+    the server (and every stub it starts) runs on the other CPUs: the engine process's own (engine_cpus).
 
     The server runs in its own session (a Ctrl-C meant for the launcher must not hit it before the
     launcher unloads it cleanly), but its life is tied to the launcher's: see `die_with_parent`."""
@@ -299,10 +309,23 @@ def spawn_tritonserver(
     ]
     log.info("starting %s", " ".join(cmd))
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed with the process)
+    preexec = die_with_parent(signal.SIGTERM)
+    if cpus_off:
+        log.info("tritonserver runs off CPU(s) %s (the engine process's)", format_cpu_list(cpus_off))
+        preexec = chain_preexec(keep_off(cpus_off), preexec)
     proc = subprocess.Popen(cmd, env={**server_env(install), **(env or {})}, stdout=out,
                             stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                            preexec_fn=die_with_parent(signal.SIGTERM))
+                            preexec_fn=preexec)
     return ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, admin_key=admin_key)
+
+
+def chain_preexec(*steps: Callable[[], None]) -> Callable[[], None]:
+    """One Popen preexec_fn that runs `steps` in order."""
+    def preexec() -> None:
+        for step in steps:
+            step()
+
+    return preexec
 
 
 def die_with_parent(sig: int) -> Callable[[], None]:

@@ -67,6 +67,13 @@ SERVING_DEFAULTS: dict[str, str] = {
 }
 
 
+# Serving-only knobs whose values are text, not numbers.
+SERVING_TEXT_DEFAULTS: dict[str, str] = {
+    # CPUs of the engine process's own, apart from the rest of the server (serving/cpu_affinity.py): "" (off), a
+    # CPU list ("15", "14-15") or "auto" (the last physical core, on hosts of 8+ CPUs). Opt-in until measured.
+    "engine_cpus": "",
+}
+
 # String parameters for tests only (serving/faults.py); empty in production.
 TEST_PARAMS: dict[str, str] = {"fault_injection": ""}
 
@@ -76,7 +83,7 @@ def engine_param_names() -> list[str]:
 
 
 def all_param_names() -> list[str]:
-    return engine_param_names() + list(SERVING_DEFAULTS) + list(TEST_PARAMS)
+    return engine_param_names() + list(SERVING_DEFAULTS) + list(SERVING_TEXT_DEFAULTS) + list(TEST_PARAMS)
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:

@@ -5,6 +5,7 @@ is the default, so every tests/serving server test runs it too."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -28,14 +29,34 @@ def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=2)
 
 
+# the pipe client's engine process runs on a CPU of its own (engine_cpus, serving/cpu_affinity.py) where the host
+# has two or more
+PINNED_CPUS = frozenset({max(os.sched_getaffinity(0))}) if len(os.sched_getaffinity(0)) > 1 else frozenset()
+
+
 @pytest.fixture(scope="module", params=[RING_BYTES, 0], ids=["ring", "pipe"])
 def client(smollm2_path, request):
     """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py) and over the pipe."""
+    engine_cpus = frozenset() if request.param else PINNED_CPUS
     c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
-                     ring_bytes=request.param)
+                     ring_bytes=request.param, engine_cpus=engine_cpus)
+    c.asked_cpus = engine_cpus
     assert (c._ring is not None) == (request.param > 0 and ring_supported())
     yield c
     c.close()
+
+
+def cpus_of(pid: int) -> frozenset[int]:
+    return frozenset(os.sched_getaffinity(pid))
+
+
+def test_the_engine_process_runs_on_its_cpus(client):
+    """engine_cpus: the child moved itself (and every thread it started) onto them; without, it runs where its
+    parent may."""
+    expected = client.asked_cpus or cpus_of(0)
+    assert cpus_of(client._proc.pid) == expected
+    for task in os.listdir(f"/proc/{client._proc.pid}/task"):  # the reader threads, torch's pool
+        assert cpus_of(int(task)) == expected
 
 
 def run_all(client: EngineClient, timeout_s: float = 120.0) -> dict[int, list[DetokenizeMsg]]:
