@@ -40,6 +40,7 @@ from freetoken_core.serving.engine_server import decode, engine_main
 from freetoken_core.serving.engine_share import INDEX_BITS, EngineRendezvous
 from freetoken_core.serving.faults import DeviceFatalError, FaultSpec
 from freetoken_core.serving.msg_ring import RING_POLL_S, MsgRing
+from freetoken_core.serving.spin import SPIN_MAX_ACTIVE, spin_until
 from freetoken_core.spawn import spawn_context
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,13 @@ class EngineClient:
     def __init__(self, config: EngineConfig, faults: list[FaultSpec] | None = None,
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
-                 ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset()) -> None:
-        """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started)."""
+                 ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
+                 idle_spin_s: float = 0.0) -> None:
+        """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started).
+        idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
+        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py)."""
         self.step_wait_s = step_wait_s
+        self.idle_spin_s = idle_spin_s
         self.ring_poll_s = ring_poll_s
         self._ring: MsgRing | None = None  # the step messages' ring, when the engine made one for this instance
         self._uids = 0
@@ -75,12 +80,13 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ring_bytes, engine_cpus)
+            self._start_child(config, faults, share, ring_bytes, engine_cpus, idle_spin_s)
         else:
             self._connect(share, member_ready_timeout_s)
 
     def _start_child(self, config: EngineConfig, faults: list[FaultSpec] | None,
-                     share: EngineRendezvous | None, ring_bytes: int, engine_cpus: frozenset[int]) -> None:
+                     share: EngineRendezvous | None, ring_bytes: int, engine_cpus: frozenset[int],
+                     idle_spin_s: float) -> None:
         listen = None
         if share is not None:
             self._share = share
@@ -90,7 +96,7 @@ class EngineClient:
         self._out_r, self._out_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=engine_main,
                                  args=(self._cmd_r, self._out_w, config, list(faults or []), listen, ring_bytes,
-                                       engine_cpus),
+                                       engine_cpus, idle_spin_s),
                                  name="freetoken-engine", daemon=False)  # daemonic processes cannot start TP ranks
         self._proc.start()
         self._cmd_r.close()
@@ -202,6 +208,9 @@ class EngineClient:
                         time.sleep(self.ring_poll_s)
                         self._take_ring(msgs)
                     wait_s = 0.0
+            elif wait_s > 0 and self.idle_spin_s > 0 and len(self._outstanding) <= SPIN_MAX_ACTIVE:
+                spun = min(self.idle_spin_s, wait_s)
+                wait_s = 0.0 if spin_until(self._out_r.poll, spun) else wait_s - spun
             ready = self._out_r.poll(wait_s)
             while ready:
                 kind, payload = self._out_r.recv()

@@ -22,6 +22,7 @@ from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_proces
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
+from freetoken_core.serving.spin import spin_until
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def make_ring(capacity: int) -> MsgRing | None:
 
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
                 listen: tuple[str, bytes] | None = None, ring_bytes: int = 0,
-                engine_cpus: frozenset[int] = frozenset()) -> None:
+                engine_cpus: frozenset[int] = frozenset(), idle_spin_s: float = 0.0) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     ring = None
     try:
@@ -76,7 +77,8 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         return
     try:
-        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=ring_bytes).run()
+        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=ring_bytes,
+                     idle_spin_s=idle_spin_s).run()
     finally:
         sched.close()
 
@@ -90,8 +92,10 @@ class EngineServer:
     the owner's, made before the ready message), everything else over its connection."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
-                 ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0) -> None:
+                 ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0,
+                 idle_spin_s: float = 0.0) -> None:
         self.sched = sched
+        self.idle_spin_s = idle_spin_s  # serving/spin.py: how long an idle engine looks for the next command
         self.outs: dict[int, Any] = {0: out_conn}
         self.rings: dict[int, MsgRing] = {0: ring} if ring is not None else {}
         self.ring_bytes = ring_bytes
@@ -259,6 +263,8 @@ class EngineServer:
                 self.orphans.add(uid)  # its abort message has no one to go to
 
     def _take_commands(self, block: bool) -> None:
+        if block and self.idle_spin_s > 0 and spin_until(lambda: not self.commands.empty(), self.idle_spin_s):
+            block = False  # a command came while this thread looked (serving/spin.py)
         while True:
             try:
                 index, cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()

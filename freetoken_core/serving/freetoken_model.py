@@ -20,7 +20,8 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
-    engine_config_from_params, msg_ring, parse_model_config_params, sender_threads, serving_options, stream_interval,
+    engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, sender_threads, serving_options,
+    stream_interval,
 )
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
@@ -140,7 +141,8 @@ class FreetokenModel:
             ring_bytes, ring_poll_s = msg_ring(self.options)
             engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
-                                      ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus)
+                                      ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
+                                      idle_spin_s=idle_spin(self.options))
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 
@@ -165,6 +167,7 @@ class FreetokenModel:
                                           bool(self.options["detok_send_order"])),
                 sender_threads=sender_threads(self.options),
                 send_order=bool(self.options["detok_send_order"]),
+                idle_spin_s=idle_spin(self.options),
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,

@@ -10,6 +10,7 @@ messages through shared-memory rings (engine_msg_ring_kib, serving/msg_ring.py: 
 from __future__ import annotations
 
 import ast
+import os
 import queue
 import time
 
@@ -30,8 +31,6 @@ PROMPTS = ["The capital of France is", MIXED, "def fibonacci(n):", "Once upon a 
 
 
 def _start_scaled(smollm2_path, workdir, env: dict[str, str], params: dict[str, str]):
-    import os
-
     from freetoken_core.serving.launcher import start_server
     from tests.serving.conftest import SERVER_PARAMS
 
@@ -75,14 +74,21 @@ def scaled_out(smollm2_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ordered_out(smollm2_path, tmp_path_factory):
     """Two detokenizer instances that keep each stream in order themselves (detok_send_order): four
-    responses of a stream may be in flight at once, across both instances."""
+    responses of a stream may be in flight at once, across both instances. Also the opt-in host settings: the
+    served path's waiters spin before they block (idle_spin_us), and the engine process runs on a CPU of its own
+    with the rest of the server on the others (engine_cpus), where the host has two or more."""
     workdir = tmp_path_factory.mktemp("triton-ordered")
+    cpus = sorted(os.sched_getaffinity(0))
+    engine_cpus = str(cpus[-1]) if len(cpus) > 1 else ""
     handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
-                           {"detok_send_order": "1"})
+                           {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus})
     assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
     from freetoken_core.serving.launcher import get_parameter
 
     assert get_parameter((workdir / "repo" / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
+    if engine_cpus:
+        assert f"engine process on CPU(s) {engine_cpus}" in (workdir / "tritonserver.log").read_text()
+        assert os.sched_getaffinity(handle.process.pid) == set(cpus[:-1])
     yield handle
     handle.stop()
     log = (workdir / "tritonserver.log").read_text()

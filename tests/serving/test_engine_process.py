@@ -36,10 +36,12 @@ PINNED_CPUS = frozenset({max(os.sched_getaffinity(0))}) if len(os.sched_getaffin
 
 @pytest.fixture(scope="module", params=[RING_BYTES, 0], ids=["ring", "pipe"])
 def client(smollm2_path, request):
-    """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py) and over the pipe."""
+    """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py) and over the pipe (with the
+    engine process on a CPU of its own and both sides spinning: opt-in too)."""
     engine_cpus = frozenset() if request.param else PINNED_CPUS
+    # the pipe client and its engine process also spin for each other's messages before they block (serving/spin.py)
     c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
-                     ring_bytes=request.param, engine_cpus=engine_cpus)
+                     ring_bytes=request.param, engine_cpus=engine_cpus, idle_spin_s=0.0 if request.param else 0.002)
     c.asked_cpus = engine_cpus
     assert (c._ring is not None) == (request.param > 0 and ring_supported())
     yield c
