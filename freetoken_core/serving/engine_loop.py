@@ -27,7 +27,6 @@ from freetoken_core.serving.cancel import CancelChannel
 from freetoken_core.serving.faults import is_device_fatal
 from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, build_probe
 from freetoken_core.serving.sender import ResponseSender, Transport
-from freetoken_core.serving.spin import spin_until
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
@@ -63,9 +62,6 @@ class LoopOptions:
     # a stream may have max_inflight responses in flight across several instances, and its last response
     # never waits for an ack
     send_order: bool = False
-    # > 0: the engine thread (once it has nothing to do) and the sender thread (while at most SPIN_MAX_ACTIVE
-    # requests are in flight) look for their next work this long before they block (serving/spin.py)
-    idle_spin_s: float = 0.0
 
 
 @dataclass
@@ -129,8 +125,7 @@ class EngineLoop:
         self._undeliverable: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # cancels that reach the detokenizer (see cancel.py), and the streams' send order across its instances
         self._cancel_channel = CancelChannel(send_order=self.opt.send_order and self.opt.max_inflight > 0)
-        self.sender = ResponseSender(transport, self.opt, self._cancel_channel, self._undeliverable_handle,
-                                     active_requests=lambda: len(self._active))
+        self.sender = ResponseSender(transport, self.opt, self._cancel_channel, self._undeliverable_handle)
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)
         self._anchors = scheduler.tokenizer.anchors
@@ -170,7 +165,6 @@ class EngineLoop:
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
         last_cancel_check = last_metrics = 0.0
-        spun = False  # whether this idle stretch has had its spin (one a stretch: an idle instance then sleeps)
         while not self._stopping.is_set():
             self._admit()
             self._abort_gone()
@@ -192,21 +186,13 @@ class EngineLoop:
                         self._on_message(msg, out, now)
                     if out:
                         self._post(out)
-                spun = False
             else:
-                spin_s = 0.0 if spun else self.opt.idle_spin_s
-                if not (spin_s > 0 and spin_until(self._has_intake, spin_s)):
-                    self._wake.wait(self.opt.idle_wait_s)
-                spun = True
+                self._wake.wait(self.opt.idle_wait_s)
                 self._wake.clear()
             if now - last_metrics >= self.opt.metrics_interval_s or not self._active:
                 self._push_metrics()
                 last_metrics = now
         self._fail_all("the server is shutting down")
-
-    def _has_intake(self) -> bool:
-        """Whether something waits for the engine thread: a request to admit, a stream to abort."""
-        return not self._inbox.empty() or not self._undeliverable.empty()
 
     def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg]:
         """A step fault fails the requests of the step(s) in flight, and the engine serves on; a

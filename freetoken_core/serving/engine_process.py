@@ -179,6 +179,17 @@ class EngineClient:
 
     waiting: tuple = ()
 
+    @property
+    def engine_load(self) -> int:
+        """Requests in the engine, every instance's, as its latest snapshot said (at most STATS_INTERVAL_S old while
+        it is busy; read from any thread)."""
+        return self._stats.num_running + self._stats.num_waiting
+
+    def _few_in_flight(self) -> bool:
+        """Whether to spin for the engine's next message (serving/spin.py): this instance's requests and the
+        engine's whole load both at most SPIN_MAX_ACTIVE."""
+        return len(self._outstanding) <= SPIN_MAX_ACTIVE and self.engine_load <= SPIN_MAX_ACTIVE
+
     def stats(self) -> EngineStats:
         """The child's latest snapshot (sent every STATS_INTERVAL_S while busy and when it goes idle).
         Reads what waits in the pipe first: once idle, nothing else would (step() runs only with work)."""
@@ -208,7 +219,7 @@ class EngineClient:
                         time.sleep(self.ring_poll_s)
                         self._take_ring(msgs)
                     wait_s = 0.0
-            elif wait_s > 0 and self.idle_spin_s > 0 and len(self._outstanding) <= SPIN_MAX_ACTIVE:
+            elif wait_s > 0 and self.idle_spin_s > 0 and self._few_in_flight():
                 spun = min(self.idle_spin_s, wait_s)
                 wait_s = 0.0 if spin_until(self._out_r.poll, spun) else wait_s - spun
             ready = self._out_r.poll(wait_s)

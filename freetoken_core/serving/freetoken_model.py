@@ -167,7 +167,6 @@ class FreetokenModel:
                                           bool(self.options["detok_send_order"])),
                 sender_threads=sender_threads(self.options),
                 send_order=bool(self.options["detok_send_order"]),
-                idle_spin_s=idle_spin(self.options),
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,

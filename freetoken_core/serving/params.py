@@ -60,8 +60,8 @@ SERVING_DEFAULTS: dict[str, str] = {
     "engine_msg_ring_kib": "0",
     # how often (us) an instance with requests in flight looks into its ring (serving/msg_ring.py RING_POLL_S)
     "engine_msg_ring_poll_us": "500",
-    # > 0: while at most one request is in flight, the served path's waiters (the engine process with nothing to
-    # do, the instance's engine and sender threads) look this many us for their next work before they block
+    # > 0: while at most one request is in flight, the two waiters on the engine process's pipe (the idle engine
+    # process, the instance's engine thread) look this many us for the other's next message before they block
     # (serving/spin.py): a wake-up of a blocked thread costs 50-110 us at the median on the H200 host. 0 = block at
     # once (the default until measured on the GPU).
     "idle_spin_us": "0",

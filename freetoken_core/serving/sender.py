@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.cancel import CancelChannel
 from freetoken_core.serving.send_order import SlotAllocator
-from freetoken_core.serving.spin import SPIN_MAX_ACTIVE, spin_until
 
 if TYPE_CHECKING:
     from freetoken_core.serving.engine_loop import ActiveRequest, LoopOptions
@@ -125,10 +124,9 @@ class ResponseSender:
     st | None) for a response as is (st's waiting messages go first)."""
 
     def __init__(self, transport: Transport, options: "LoopOptions", cancel_channel: CancelChannel,
-                 on_undeliverable: Callable[[Any], None], active_requests: Callable[[], int] = lambda: 0) -> None:
+                 on_undeliverable: Callable[[Any], None]) -> None:
         self.transport = transport
         self.opt = options
-        self._active_requests = active_requests  # how many requests the engine thread has in flight (spinning)
         self._cancel_channel = cancel_channel
         self._on_undeliverable = on_undeliverable  # a send failed (client gone): the engine aborts it
         self._outbox: queue.SimpleQueue[list[tuple] | None] = queue.SimpleQueue()
@@ -181,8 +179,7 @@ class ResponseSender:
                 listen = self._acked_streams or self._retiring
                 fds = [self._wake_r] + ([self._cancel_channel.ack_sock] if listen else [])
                 try:
-                    if not self._spun_into(fds):
-                        select.select(fds, [], [], timeout)
+                    select.select(fds, [], [], timeout)
                 except (OSError, ValueError):
                     pass
             try:
@@ -230,14 +227,6 @@ class ResponseSender:
                 if self._report.responses:
                     log.info("%s", self._report.line(now))
                 self._report = SenderReport(t0=now)
-
-    def _spun_into(self, fds: list) -> bool:
-        """idle_spin_s, while few requests are in flight: whether a post or an ack came while this thread looked
-        for one (serving/spin.py), so that it need not block in select."""
-        if self.opt.idle_spin_s <= 0 or self._active_requests() > SPIN_MAX_ACTIVE:
-            return False
-        return spin_until(lambda: not self._outbox.empty() or bool(select.select(fds, [], [], 0)[0]),
-                          self.opt.idle_spin_s)
 
     def _may_send(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], now: float) -> bool:
         if st.handed != st.delivered:  # a send worker still has this request's previous response

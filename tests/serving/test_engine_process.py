@@ -260,3 +260,39 @@ def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
         for c in (late, member, owner):
             if c is not None:
                 c.close()
+
+
+def test_the_client_spins_only_while_the_whole_engine_is_nearly_idle(client):
+    """idle_spin_s: one request of this instance in a shared engine busy with other instances' requests is no
+    reason to spin (serving/spin.py SPIN_MAX_ACTIVE); the engine's latest snapshot says how busy it is."""
+    import dataclasses
+
+    saved = client._stats
+    try:
+        client._stats = dataclasses.replace(saved, num_running=1, num_waiting=0)
+        assert client.engine_load == 1 and client._few_in_flight()
+        client._stats = dataclasses.replace(saved, num_running=3, num_waiting=2)
+        assert client.engine_load == 5 and not client._few_in_flight()
+    finally:
+        client._stats = saved
+
+
+def test_the_pipe_client_spins_for_a_lone_requests_messages(llm, client, monkeypatch):
+    """idle_spin_s (the pipe client here): a lone request's step messages are looked for before the client blocks;
+    the ring client polls its ring instead and never spins."""
+    from freetoken_core.serving import engine_process
+    from freetoken_core.serving.spin import spin_until
+
+    looks = []
+
+    def counting(ready, spin_s):
+        looks.append(spin_s)
+        return spin_until(ready, spin_s)
+
+    monkeypatch.setattr(engine_process, "spin_until", counting)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    uid = client.add_request(llm.encode("Hi"), params)
+    out = run_all(client)
+    assert [t for m in out[uid] for t in m.next_tokens] == llm.generate(["Hi"], params)[0].token_ids
+    assert bool(looks) == (client.idle_spin_s > 0 and client._ring is None)
+    assert all(0 < s <= client.idle_spin_s for s in looks)
