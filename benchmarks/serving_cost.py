@@ -3,6 +3,7 @@
     python benchmarks/serving_cost.py                 # 2000 responses per case
     python benchmarks/serving_cost.py --responses 500 --formats full slim
     python benchmarks/serving_cost.py --formats slim3 slim   # the one-tensor slim response against the 3-tensor one
+    python benchmarks/serving_cost.py --formats slim slimtext --profile   # 6 detokenizer outputs against 3
 
 A bench repository (written to a temp dir) holds `sendcost`, a decoupled Python model that sends N
 engine responses built by freetoken_core.serving.response exactly as the engine's sender thread
@@ -77,6 +78,9 @@ class TritonPythonModel:
             return R.build_outputs(msg, msg.next_tokens, None, ctx, "", "", key)
         if fmt == "slim":
             return R.build_ensemble_outputs(msg, msg.next_tokens, None, ctx, "", "", key if i == 0 else "")
+        if fmt == "slimtext":  # a client that turned the optional outputs off (return_<name>=false)
+            return R.build_ensemble_outputs(msg, msg.next_tokens, None, ctx, "", "", key if i == 0 else "",
+                                            omit=frozenset(("finish_reason", "num_input_tokens", "num_output_tokens")))
         if fmt == "slim3":  # the slim layout before its tokens moved into meta: 3 tensors (stub cost only)
             out = {"next_tokens": np.asarray(msg.next_tokens, dtype=np.int32),
                    "meta": np.array([int(last), 128, i + 1], dtype=np.int32),
@@ -147,16 +151,26 @@ class TritonPythonModel(real.TritonPythonModel):
         super().initialize(args)
         self.n_exec = self.n_req = 0
         self.t = 0.0
+        self.profile = None
+        if os.environ.get("FREETOKEN_COST_PROFILE"):  # --profile: where an execute's time goes, by function
+            import cProfile
+            self.profile = cProfile.Profile()
 
     def execute(self, requests):
         a = time.perf_counter()
+        if self.profile is not None:
+            self.profile.enable()
         out = super().execute(requests)
+        if self.profile is not None:
+            self.profile.disable()
         self.t += time.perf_counter() - a
         self.n_exec += 1
         self.n_req += len(requests)
         if self.n_exec % 20 == 0:
             with open(os.path.join(OUT, "detok.json"), "w") as f:
                 json.dump({"executes": self.n_exec, "requests": self.n_req, "exec_us": 1e6 * self.t / self.n_exec}, f)
+            if self.profile is not None:
+                self.profile.dump_stats(os.path.join(OUT, "detok.prof"))
         return out
 '''
 
@@ -287,6 +301,8 @@ def main() -> int:
     p.add_argument("--detok-instances", type=int, default=1, help="detokenizer instance count")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams of the second ensemble case")
     p.add_argument("--model-path", default=None, help="tokenizer for the detokenizer (default SmolLM2)")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the detokenizer's executes; prints the top functions by own time")
     args = p.parse_args()
 
     from freetoken_core.models.gguf import default_model_path
@@ -298,11 +314,13 @@ def main() -> int:
     out.mkdir()
     write_repo(work / "repo", model_path, args.detok_batch, args.detok_instances)
     print("in-process:", detok_inprocess(model_path, 5000), flush=True)
-    handle = spawn_tritonserver(work / "repo", log_path=work / "server.log", env={"FREETOKEN_COST_OUT": str(out)})
+    env = {"FREETOKEN_COST_OUT": str(out), **({"FREETOKEN_COST_PROFILE": "1"} if args.profile else {})}
+    handle = spawn_tritonserver(work / "repo", log_path=work / "server.log", env=env)
     try:
         wait_ready(handle, 300, models=("sendcost", "detokenizer", "sendcost_ens"))
         n = args.responses
         rows = []
+        seen = {"executes": 0, "requests": 0, "exec_us": 0.0}  # the detokenizer's totals before this format's runs
         for fmt in args.formats:
             run_case(handle.grpc_url, "sendcost", fmt, 50, False)  # warm up
             rps = run_case(handle.grpc_url, "sendcost", fmt, n, False)
@@ -313,7 +331,12 @@ def main() -> int:
             ens = run_case(handle.grpc_url, "sendcost_ens", fmt, n, False) if fmt != "slim3" else float("nan")
             ens8 = (run_case(handle.grpc_url, "sendcost_ens", fmt, n // args.streams, False, streams=args.streams)
                     if fmt != "slim3" else float("nan"))
-            det = json.loads((out / "detok.json").read_text()) if (out / "detok.json").exists() else {}
+            total = json.loads((out / "detok.json").read_text()) if (out / "detok.json").exists() else seen
+            executes = total["executes"] - seen["executes"]  # this format's executes only
+            spent_us = total["exec_us"] * total["executes"] - seen["exec_us"] * seen["executes"]
+            det = {"executes": executes, "requests": total["requests"] - seen["requests"],
+                   "exec_us": spent_us / executes if executes else 0.0}
+            seen = total
             rows.append((fmt, stub, busy, rps, ens, ens8, det))
     except BaseException:
         print("\n".join(ln for ln in handle.log_tail(200000).splitlines() if ln.startswith("E")))
@@ -328,6 +351,11 @@ def main() -> int:
         print(f"| {fmt} | {s['tensors']} | {s['numpy_us']:.1f} | {s['pb_us']:.1f} | {s['send_us']:.1f} | "
               f"{s['wall_us']:.1f} | {b.get('busy_share', 0):.0%} | {rps:.0f} | {ens:.0f} | {ens8:.0f} | "
               f"{det.get('executes', 0)}/{det.get('requests', 0)} | {det.get('exec_us', 0):.0f} |")
+    if args.profile and (out / "detok.prof").exists():
+        import pstats
+
+        print("\nthe detokenizer's executes, by own time (cProfile inside the stub):")
+        pstats.Stats(str(out / "detok.prof")).sort_stats("tottime").print_stats(18)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -105,7 +105,7 @@ class ActiveRequest:
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs, ack, self.order_slot)
+                                      self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs)
 
 
 class EngineLoop:

@@ -65,6 +65,7 @@ META_HEADER = 9
 META_FINISHED = 1
 META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8}
 META_ACK = 16  # meta[3:6] name a response the detokenizer acks (engine id, uid, seq)
+META_LOGPROBS = 32  # the client asked for logprobs: the detokenizer sends a logprobs output (else none at all)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ def build_ensemble_outputs(
     omit: frozenset[str] = frozenset(),
     ack: tuple[int, int, int] | None = None,
     order_slot: int | None = None,
+    logprobs_asked: bool = False,
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
     response and nothing else. The tokens and every number go in `meta` (one tensor, layout above);
@@ -124,8 +126,11 @@ def build_ensemble_outputs(
     seq): the detokenizer acks this response once it sent it on (serving/cancel.py AckSender; the
     engine's flow control and per-stream order rest on it); `order_slot` (with `ack`): the stream's
     slot in the engine's order table, so that it is sent only after its previous response
-    (serving/send_order.py)."""
+    (serving/send_order.py). `logprobs_asked`: the client asked for logprobs, so the detokenizer answers with a
+    logprobs output (empty when this response has none); otherwise it sends none, one tensor fewer a response."""
     flags = META_FINISHED if msg.finished else 0
+    if logprobs_asked:
+        flags |= META_LOGPROBS
     for name in omit:
         flags |= META_OMIT.get(name, 0)
     if ack is not None:

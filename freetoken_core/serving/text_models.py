@@ -14,7 +14,7 @@ import numpy as np
 
 from freetoken_core.serving.cancel import notify_cancel
 from freetoken_core.serving.chat import parse_chat_messages
-from freetoken_core.serving.response import META_OMIT, EnsembleMeta, read_ensemble_meta
+from freetoken_core.serving.response import META_LOGPROBS, META_OMIT, EnsembleMeta, read_ensemble_meta
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
@@ -138,7 +138,9 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray],
     prompt = tensors.get("prompt_text")
     text = step.text if prompt is None else _text(_scalar(prompt) or b"") + step.text
     logprobs = tensors.get("logprobs")
-    passthrough["logprobs_out"] = _EMPTY_FLOAT if logprobs is None else np.asarray(logprobs, dtype=np.float32).reshape(-1)
+    if m is None or m.flags & META_LOGPROBS:  # the slim response says whether the client asked for logprobs
+        passthrough["logprobs_out"] = (_EMPTY_FLOAT if logprobs is None
+                                       else np.asarray(logprobs, dtype=np.float32).reshape(-1))
     return {"text_output": _bytes(text), **passthrough}
 
 

@@ -99,7 +99,15 @@ def test_slim_ensemble_response_is_one_tensor_and_decodes_like_the_full_one(tok)
         assert ack_of(slim) == (3, 7, 42)
         full = build_outputs(msg, new, None, ctx, "", "")
         a, b = detokenize_response(tok, slim), detokenize_response(tok, full)
+        # no logprobs output unless the client asked for logprobs (one tensor fewer a response)
+        assert "logprobs_out" not in a and b["logprobs_out"].size == 0
+        assert a.keys() == b.keys() - {"logprobs_out"} and all(np.array_equal(a[k], b[k]) for k in a)
+        logprobs = [-0.5] * len(new)
+        asked = build_ensemble_outputs(msg, new, logprobs, ctx, "", "", logprobs_asked=True)
+        a, b = detokenize_response(tok, asked), detokenize_response(tok, build_outputs(msg, new, logprobs, ctx, "", ""))
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+        empty = detokenize_response(tok, build_ensemble_outputs(msg, [], [], ctx, "", "", logprobs_asked=True))
+        assert empty["logprobs_out"].size == 0  # asked, and this response has no tokens: an empty output
     no_ack = build_ensemble_outputs(msg, [], None, [], "", "", omit=frozenset({"num_input_tokens"}))
     assert ack_of(no_ack) is None and "num_input_tokens_out" not in detokenize_response(tok, no_ack)
     with pytest.raises(ValueError, match="header says"):

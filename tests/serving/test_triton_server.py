@@ -77,6 +77,9 @@ class Stream:
             r["text"] += b"".join(text.reshape(-1))
             r["tokens"] += result.as_numpy("next_tokens").reshape(-1).tolist()
             r["finish_reason"] = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+            logprobs = result.as_numpy("logprobs")  # only when the request asked for them (return_logprobs)
+            r["logprobs"] = r.get("logprobs", []) + ([] if logprobs is None else [logprobs.reshape(-1).tolist()])
+            r["sizes"] = r.get("sizes", []) + [result.as_numpy("next_tokens").size]
             r["n"] = r.get("n", 0) + 1
             if final is not None and final.bool_param:
                 done += 1
@@ -115,6 +118,27 @@ def test_grpc_stream_equals_offline(triton_server, offline_llm):
     assert got["tokens"] == ref.token_ids
     assert got["finish_reason"] == ref.finish_reason
     assert got["n"] >= 2  # it streamed
+
+
+def test_logprobs_come_only_when_asked_one_per_token(triton_server, offline_llm):
+    """return_logprobs=true: every streamed response carries one logprob per token it brings, those the engine
+    computed offline; without it no response carries a logprobs output at all (one tensor fewer a response)."""
+    ref = offline_llm.generate([PROMPT], [SamplingParams(max_tokens=8, logprobs=0)])[0]
+    s = Stream(triton_server.grpc_url)
+    try:
+        s.client.async_stream_infer("ensemble", ensemble_inputs(PROMPT, 8, return_logprobs=True), request_id="lp",
+                                    enable_empty_final_response=True)
+        s.client.async_stream_infer("ensemble", ensemble_inputs(PROMPT, 8), request_id="plain",
+                                    enable_empty_final_response=True)
+        got = s.collect(2)
+    finally:
+        s.close()
+    asked, plain = got["lp"], got["plain"]
+    assert asked["error"] is None and plain["error"] is None
+    assert asked["tokens"] == plain["tokens"] == ref.token_ids
+    assert [len(lp) for lp in asked["logprobs"]] == asked["sizes"]  # each response: one per token
+    np.testing.assert_allclose([v for lp in asked["logprobs"] for v in lp], ref.logprobs, rtol=1e-4, atol=1e-4)
+    assert plain["logprobs"] == []
 
 
 def test_http_generate_stream_and_non_streaming_equal_offline(triton_server, offline_llm):
