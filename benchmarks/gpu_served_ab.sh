@@ -9,7 +9,7 @@
 #     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
 # An empty SETTING ("") is the defaults. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (4) as in
 # gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
-# (default 64) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
+# (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
 set -euo pipefail
 shape=$1
