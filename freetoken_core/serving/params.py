@@ -182,7 +182,7 @@ def msg_ring(options: Mapping[str, float]) -> tuple[int, float]:
 
 
 def idle_spin(options: Mapping[str, float]) -> float:
-    """Seconds the served path's waiters spin before they block (serving/spin.py); 0 = never."""
+    """Seconds the two waiters on the engine process's pipe spin before they block (serving/spin.py); 0 = never."""
     value = options["idle_spin_us"]
     if not 0 <= value <= 100_000:
         raise ValueError(f"serving parameter idle_spin_us must be from 0 (off) to 100000 (0.1 s), got {value:g}")
