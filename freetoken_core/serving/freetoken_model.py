@@ -20,8 +20,8 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
-    engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, sender_threads, serving_options,
-    stream_interval,
+    engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
+    serving_options, stream_interval,
 )
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
@@ -151,6 +151,7 @@ class FreetokenModel:
                 install_fault_hook(self.sched, faults)
         self.max_tokens_limit = int(self.options["max_tokens_limit"]) or None
         self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
+        self.send_unasked_outputs = send_unasked_outputs(params)
         probe_ms = self.options["nonstream_cancel_probe_ms"]
         if probe_ms > 0:
             check_detokenizer_decoupled(args.get("model_repository", ""))
@@ -204,7 +205,8 @@ class FreetokenModel:
             sender = request.get_response_sender()
             try:
                 parsed = parse_request(input_arrays(pb, request, INPUT_NAMES), self.max_tokens_limit,
-                                       max_nonstream_tokens=self.max_nonstream_tokens)
+                                       max_nonstream_tokens=self.max_nonstream_tokens,
+                                       send_unasked_outputs=self.send_unasked_outputs)
             except ValueError as e:
                 self.loop.reject(sender, str(e))
                 continue

@@ -77,6 +77,11 @@ SERVING_TEXT_DEFAULTS: dict[str, str] = {
     # CPUs of the engine process's own, apart from the rest of the server (serving/cpu_affinity.py): "" (off), a
     # CPU list ("15", "14-15") or "auto" (the last physical core, on hosts of 8+ CPUs). Opt-in until measured.
     "engine_cpus": "",
+    # The optional outputs finish_reason, num_input_tokens, num_output_tokens when the client leaves its
+    # return_<name> input out: "all" sends them (the default), "asked" only with return_<name>=true, as the vLLM
+    # backend does: a streamed response then carries 2 tensors instead of 5 (each ~14 us of the detokenizer's
+    # execute on the CPU box, benchmarks/RESULTS.md twentieth session, plus Triton's and gRPC's share).
+    "optional_outputs": "all",
 }
 
 # String parameters for tests only (serving/faults.py); empty in production.
@@ -187,6 +192,14 @@ def idle_spin(options: Mapping[str, float]) -> float:
     if not 0 <= value <= 100_000:
         raise ValueError(f"serving parameter idle_spin_us must be from 0 (off) to 100000 (0.1 s), got {value:g}")
     return value / 1e6
+
+
+def send_unasked_outputs(params: Mapping[str, str]) -> bool:
+    """optional_outputs: whether a response carries the optional outputs its client did not ask for."""
+    value = (params.get("optional_outputs") or "all").strip().lower()
+    if value not in ("all", "asked"):
+        raise ValueError(f"serving parameter optional_outputs must be 'all' or 'asked', got {value!r}")
+    return value == "all"
 
 
 def stream_interval(options: Mapping[str, float]) -> int:

@@ -74,14 +74,16 @@ def scaled_out(smollm2_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ordered_out(smollm2_path, tmp_path_factory):
     """Two detokenizer instances that keep each stream in order themselves (detok_send_order): four
-    responses of a stream may be in flight at once, across both instances. Also the opt-in host settings: the
-    served path's waiters spin before they block (idle_spin_us), and the engine process runs on a CPU of its own
-    with the rest of the server on the others (engine_cpus), where the host has two or more."""
+    responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the waiters on
+    the engine process's pipe spin before they block (idle_spin_us), the engine process runs on a CPU of its own
+    with the rest of the server on the others (engine_cpus, where the host has two or more), and the optional
+    outputs go only to clients that ask for them (optional_outputs=asked)."""
     workdir = tmp_path_factory.mktemp("triton-ordered")
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus = str(cpus[-1]) if len(cpus) > 1 else ""
     handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
-                           {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus})
+                           {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus,
+                            "optional_outputs": "asked"})
     assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
     from freetoken_core.serving.launcher import get_parameter
 
@@ -106,7 +108,8 @@ def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     q: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: q.put((result, error)))
-    got = {str(i): {"tokens": [], "text": b"", "finals": 0, "after_final": 0} for i in range(N_STREAMS)}
+    got = {str(i): {"tokens": [], "text": b"", "finals": 0, "after_final": 0, "optional": set()}
+           for i in range(N_STREAMS)}
     try:
         for i in range(N_STREAMS):
             client.async_stream_infer("ensemble", ensemble_inputs(prompts[i], max_tokens[i]), request_id=str(i),
@@ -123,6 +126,8 @@ def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_
             if resp.outputs:
                 r["tokens"] += result.as_numpy("next_tokens").reshape(-1).tolist()
                 r["text"] += b"".join(result.as_numpy("text_output").reshape(-1))
+                r["optional"] |= {o.name for o in resp.outputs} & {"finish_reason", "num_input_tokens",
+                                                                   "num_output_tokens", "logprobs"}
             if resp.parameters["triton_final_response"].bool_param:
                 r["finals"] += 1
                 done += 1
@@ -138,6 +143,9 @@ def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_
         assert r["finals"] == 1 and r["after_final"] == 0, (i, r)
         assert r["tokens"] == ref.token_ids, (i, r["tokens"], ref.token_ids)
         assert r["text"].decode("utf-8") == ref.text, (i, r["text"], ref.text)
+        # optional outputs: all of them unless the server sends only those asked for; logprobs only when asked
+        expected = set() if server == "ordered_out" else {"finish_reason", "num_input_tokens", "num_output_tokens"}
+        assert r["optional"] == expected, (i, r["optional"])
     after = scrape_metrics(triton_server.metrics_url)
     reqs = metric(after, "nv_inference_request_success", model="detokenizer") - \
         metric(before, "nv_inference_request_success", model="detokenizer")
