@@ -52,6 +52,16 @@ def thread_event(n: int, gap: float) -> list[float]:
     return lat
 
 
+def _stamp_and_collect(n: int, gap: float, send, receive_latency) -> list[float]:
+    """n hand-offs `gap` apart: each sends the time it was sent, the receiver answers how late it saw it."""
+    lat = []
+    for _ in range(n):
+        time.sleep(gap)
+        send(time.perf_counter())
+        lat.append(receive_latency())
+    return lat
+
+
 def thread_queue(n: int, gap: float, spin: bool) -> list[float]:
     q: queue.SimpleQueue = queue.SimpleQueue()
     back: queue.SimpleQueue = queue.SimpleQueue()
@@ -71,11 +81,7 @@ def thread_queue(n: int, gap: float, spin: bool) -> list[float]:
 
     t = threading.Thread(target=waiter)
     t.start()
-    lat = []
-    for _ in range(n):
-        time.sleep(gap)
-        q.put(time.perf_counter())
-        lat.append(back.get())
+    lat = _stamp_and_collect(n, gap, q.put, back.get)
     t.join()
     return lat
 
@@ -95,11 +101,7 @@ def process_pipe(n: int, gap: float, spin: bool) -> list[float]:
     back_r, back_w = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_pipe_receiver, args=(r, back_w, n, spin))
     p.start()
-    lat = []
-    for _ in range(n):
-        time.sleep(gap)
-        w.send(time.perf_counter())
-        lat.append(back_r.recv())
+    lat = _stamp_and_collect(n, gap, w.send, back_r.recv)
     p.join()
     return lat
 

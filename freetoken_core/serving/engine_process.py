@@ -182,7 +182,7 @@ class EngineClient:
     @property
     def engine_load(self) -> int:
         """Requests in the engine, every instance's, as its latest snapshot said (at most STATS_INTERVAL_S old while
-        it is busy; read from any thread)."""
+        it is busy)."""
         return self._stats.num_running + self._stats.num_waiting
 
     def _few_in_flight(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from freetoken_core.serving.cpu_affinity import OFF_VALUES, engine_cpus_of_model
+from freetoken_core.serving.cpu_affinity import engine_cpus_of_model
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
@@ -126,7 +126,8 @@ class FreetokenModel:
         if instances > 1 and not self.options["engine_process"]:
             raise ValueError(f"{self.model_name} has {instances} instances (instance_group count), which share one "
                              "engine process: set engine_process=1, or use one instance")
-        if params.get("engine_cpus", "").strip().lower() not in OFF_VALUES and not self.options["engine_process"]:
+        engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size)
+        if engine_cpus and not self.options["engine_process"]:
             raise ValueError("engine_cpus pins the engine process: it needs engine_process=1")
         if self.options["engine_process"]:
             from freetoken_core.serving.engine_process import EngineClient
@@ -139,7 +140,6 @@ class FreetokenModel:
             share = EngineRendezvous(load_identity(args)) if instances > 1 else None
             # the fault hook goes into the child with the scheduler it wraps
             ring_bytes, ring_poll_s = msg_ring(self.options)
-            engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
                                       ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
                                       idle_spin_s=idle_spin(self.options))
