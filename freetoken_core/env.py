@@ -56,11 +56,6 @@ class KernelEnv:
     rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
-    # FREETOKEN_ATTN_EARLY_RELEASE: the decode attention kernels between the QKV and o_proj GEMVs (K/V store, q/k
-    # rotary, split, merge) let the next kernel launch before their PDL wait, so the o_proj GEMV's blocks are
-    # resident and loading their first weight tiles while attention runs (HBM idles there otherwise: 7.4 us a
-    # layer on the 30B). Off until measured on the GPU.
-    attn_early_release: bool = False
 
     @staticmethod
     def variable(field_name: str) -> str:

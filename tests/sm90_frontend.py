@@ -84,9 +84,6 @@ def with_pdl(launches: list[dict]) -> list[dict]:
     for rec in launches:
         if rec["args"].get("USE_PDL") == ["const", False]:
             extra.append({**rec, "args": {**rec["args"], "USE_PDL": ["const", True]}})
-            if "RELEASE_FIRST" in rec["args"]:  # the attention kernels' other entry (FREETOKEN_ATTN_EARLY_RELEASE)
-                extra.append({**rec, "args": {**rec["args"], "USE_PDL": ["const", True],
-                                              "RELEASE_FIRST": ["const", True]}})
     return launches + extra
 
 

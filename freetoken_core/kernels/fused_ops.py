@@ -29,8 +29,8 @@ from .fused_ops_ref import (  # noqa: F401  (the references, beside their kernel
     apply_rotary, fused_add_rmsnorm_reference, rmsnorm_reference, rotary_reference, silu_and_mul_reference,
     zero_centered_rms_norm_torch,
 )
-from .pdl import pdl_launch, pdl_launch_attention
-from .pdl_jit import pdl_enter, pdl_wait_then_release
+from .pdl import pdl_launch
+from .pdl_jit import pdl_wait_then_release
 
 ENABLED = kernel_env().fused_ops  # FREETOKEN_FUSED_OPS (freetoken_core/env.py)
 
@@ -226,10 +226,10 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     num_q_heads, num_k_heads, num_q_blocks,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False,
+    BLOCK_PASS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_enter(RELEASE_FIRST)
+        pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     cos, sin = _cos_sin_row(CosSin, Pos, t, stride_cs, HALF, BLOCK_HALF)
@@ -273,6 +273,6 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_ca
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         num_q_heads, num_k_heads, num_q_blocks,
         D=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        num_warps=_num_warps(block_h * 2 * block_half), **_COMPILE, **pdl_launch_attention(q),
+        num_warps=_num_warps(block_h * 2 * block_half), **_COMPILE, **pdl_launch(q),
     )
     return q_out, k_out

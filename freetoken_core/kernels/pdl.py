@@ -51,11 +51,3 @@ def pdl_launch(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel taking USE_PDL: `kernel[grid](..., **pdl_launch(x))`."""
     on = use_pdl(t)
     return {"USE_PDL": on, "launch_pdl": True} if on else {"USE_PDL": False}
-
-
-def pdl_launch_attention(t: torch.Tensor) -> dict:
-    """`pdl_launch` plus RELEASE_FIRST for the decode attention kernels between the QKV and o_proj GEMVs
-    (FREETOKEN_ATTN_EARLY_RELEASE): they release the next kernel before their wait (`pdl_jit.pdl_enter`).
-    Every kernel after them reads nothing but weights before its own wait, so this only moves when the
-    o_proj GEMV's blocks start loading its weights."""
-    return {**pdl_launch(t), "RELEASE_FIRST": kernel_env().attn_early_release}

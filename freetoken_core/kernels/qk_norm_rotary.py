@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .fused_ops import _cos_sin_row
-from .pdl import pdl_launch_attention
-from .pdl_jit import pdl_enter
+from .pdl import pdl_launch
+from .pdl_jit import pdl_wait_then_release
 from .qk_norm_rotary_ref import qk_norm_rotary_reference  # noqa: F401  (the reference, beside its kernel)
 
 # No FMA contraction, as `fused_ops._COMPILE` (and why): a fused product would skip a rounding of
@@ -116,11 +116,11 @@ def _qk_norm_rotary_kernel(
     num_q_heads, num_k_heads, num_q_blocks, q_eps, k_eps,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, ZERO_CENTERED: tl.constexpr, STORE_KV: tl.constexpr,
-    USE_PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     # STORE_KV: V, KCache, VCache, OutLoc are read; otherwise they are placeholders
     if USE_PDL:  # freetoken_core/kernels/pdl.py: q/k/v come from the QKV GEMV just before
-        pdl_enter(RELEASE_FIRST)
+        pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     cos, sin = _cos_sin_row(CosSin, Pos, t, stride_cs, HALF, BLOCK_HALF)
@@ -196,7 +196,7 @@ def qk_norm_rotary(
         num_q_heads, num_k_heads, num_q_blocks, float(q_eps), float(k_eps),
         D=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         ZERO_CENTERED=zero_centered, STORE_KV=fused_store, num_warps=_num_warps(block_h * block_d), **_COMPILE,
-        **pdl_launch_attention(q),
+        **pdl_launch(q),
     )
     return q_out, k_out
 

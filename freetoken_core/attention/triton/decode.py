@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from ...env import kernel_env
-from ...kernels.pdl import pdl_launch_attention
-from ...kernels.pdl_jit import pdl_enter
+from ...kernels.pdl import pdl_launch
+from ...kernels.pdl_jit import pdl_wait_then_release
 
 FUSED_MERGE = kernel_env().decode_fused_merge  # FREETOKEN_DECODE_FUSED_MERGE (freetoken_core/env.py)
 LOG2E = 1.4426950408889634
@@ -116,10 +116,10 @@ def _decode_split_kernel(
     ROWS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_enter(RELEASE_FIRST)
+        pdl_wait_then_release()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -187,10 +187,10 @@ def _decode_merge_kernel(
     stride_plt, stride_plh,
     stride_ot, stride_oh,
     ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_enter(RELEASE_FIRST)
+        pdl_wait_then_release()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     active = _active_splits(tl.load(SeqLens + t // ROWS), num_splits, min_split)
@@ -304,7 +304,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
         PAGE_SIZE=page_size, DIRECT=direct, FUSED_MERGE=fused,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2, **pdl_launch_attention(q),
+        num_warps=4, num_stages=2, **pdl_launch(q),
     )
     if not direct and not fused:
         _decode_merge_kernel[(num_rows, num_heads)](
@@ -312,6 +312,6 @@ def decode_attention(
             *po_strides, *pl_strides,
             out.stride(0), out.stride(1),
             ROWS=rows_per_req, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4, **pdl_launch_attention(q),
+            num_warps=4, **pdl_launch(q),
         )
     return out

@@ -10,18 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ...kernels.pdl import pdl_launch_attention
-from ...kernels.pdl_jit import pdl_enter
+from ...kernels.pdl import pdl_launch
+from ...kernels.pdl_jit import pdl_wait_then_release
 
 
 @triton.jit
 def _store_kv_kernel(
     K, V, KCache, VCache, OutLoc,
     stride_kt, stride_vt, stride_kcs, stride_vcs,
-    ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, RELEASE_FIRST: tl.constexpr = False,
+    ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # freetoken_core/kernels/pdl.py
-        pdl_enter(RELEASE_FIRST)
+        pdl_wait_then_release()
     t = tl.program_id(0)
     slot = tl.load(OutLoc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -52,5 +52,5 @@ def store_kv(
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, out_loc,
         k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
-        ROW=row, BLOCK=triton.next_power_of_2(row), **pdl_launch_attention(k),
+        ROW=row, BLOCK=triton.next_power_of_2(row), **pdl_launch(k),
     )
