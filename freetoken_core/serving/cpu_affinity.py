@@ -1,4 +1,4 @@
-"""CPUs of its own for the engine process (serving parameter `engine_cpus`; opt-in until measured).
+"""CPUs of its own for the engine process (serving parameter `engine_cpus`; "auto" by default).
 
 Why: at many streams the served path (Triton's threads, the `freetoken` and detokenizer stubs, the client when it
 shares the host) keeps most of a host's CPUs busy, and the engine process's main thread, which schedules and
@@ -6,10 +6,16 @@ launches every step, then waits for a CPU like any other thread; for a small mod
 With `engine_cpus` set, `freetoken-core serve` starts tritonserver (and so every stub) on the host's other CPUs
 and the engine process moves itself onto these, so nothing else of the server runs there.
 
-Values: "" (off), a CPU list in taskset's syntax ("15", "14-15", "3,7"), or "auto": the last physical core of the
-CPUs the launcher may use (with its hyperthread siblings), one per tensor-parallel rank, on a host with at least
-AUTO_MIN_CPUS of them (else off). `serve` resolves "auto" into the list it writes into config.pbtxt, so the engine
-and the server's mask agree; a repository served by a plain `tritonserver` only pins the engine process.
+Values: "" (off), a CPU list in taskset's syntax ("15", "14-15", "3,7"), or "auto" (the default): the last physical
+core of the CPUs the launcher may use (with its hyperthread siblings), one per tensor-parallel rank, on a host with
+at least AUTO_MIN_CPUS of them and only while that sets apart at most 1/AUTO_MAX_SHARE of them (else off: auto never
+fails a load). `serve` resolves "auto" into the list it writes into config.pbtxt, so the engine and the server's
+mask agree; a repository served by a plain `tritonserver` only pins the engine process; without an engine process
+(engine_process=0) auto is off.
+
+Measured on the H200 host (16 CPUs; SmolLM2 shape, ensemble, perf_analyzer gRPC streaming, two A/B pairs,
+benchmarks/RESULTS.md twenty-first session): 64 streams +15% and +17% tok/s, 16 streams +3% and +0%, one stream
+the same within 1.4%.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 from pathlib import Path
 
 AUTO_MIN_CPUS = 8  # fewer: a CPU set apart costs the rest of the server too much
+AUTO_MAX_SHARE = 4  # auto sets apart at most a quarter of the CPUs (tensor parallelism on a small host: off)
 OFF_VALUES = ("", "off", "none")
 _SYS_CPU = Path("/sys/devices/system/cpu")
 
@@ -68,6 +75,8 @@ def resolve_engine_cpus(spec: str, ranks: int = 1, allowed: frozenset[int] | Non
             if cpu not in chosen:
                 chosen |= siblings(cpu) & allowed
                 cores += 1
+        if len(chosen) * AUTO_MAX_SHARE > len(allowed):
+            return frozenset()
         cpus = frozenset(chosen)
     else:
         cpus = parse_cpu_list(spec)
@@ -80,14 +89,18 @@ def resolve_engine_cpus(spec: str, ranks: int = 1, allowed: frozenset[int] | Non
     return cpus
 
 
-def engine_cpus_of_model(spec: str, ranks: int = 1) -> frozenset[int]:
+def engine_cpus_of_model(spec: str, ranks: int = 1, engine_process: bool = True) -> frozenset[int]:
     """In the `freetoken` model: the list `serve` wrote (it checked it, and runs the server on the other CPUs), or,
-    under a plain tritonserver, "auto" resolved here. A list naming CPUs the host lacks fails in the engine process
-    (`pin_this_process`), which fails the model's load with that message."""
+    under a plain tritonserver, "auto" resolved here (off without an engine process: there is nothing of the engine's
+    own to move). A list naming CPUs the host lacks fails in the engine process (`pin_this_process`), which fails
+    the model's load with that message; a list without an engine process fails here."""
     spec = spec.strip().lower()
     if spec == "auto":
-        return resolve_engine_cpus(spec, ranks)
-    return frozenset() if spec in OFF_VALUES else parse_cpu_list(spec)
+        return resolve_engine_cpus(spec, ranks) if engine_process else frozenset()
+    cpus = frozenset() if spec in OFF_VALUES else parse_cpu_list(spec)
+    if cpus and not engine_process:
+        raise ValueError(f"engine_cpus={spec} pins the engine process: it needs engine_process=1 (or engine_cpus=off)")
+    return cpus
 
 
 def pin_this_process(cpus: frozenset[int]) -> None:

@@ -126,9 +126,8 @@ class FreetokenModel:
         if instances > 1 and not self.options["engine_process"]:
             raise ValueError(f"{self.model_name} has {instances} instances (instance_group count), which share one "
                              "engine process: set engine_process=1, or use one instance")
-        engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size)
-        if engine_cpus and not self.options["engine_process"]:
-            raise ValueError("engine_cpus pins the engine process: it needs engine_process=1")
+        engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size,
+                                           engine_process=bool(self.options["engine_process"]))
         if self.options["engine_process"]:
             from freetoken_core.serving.engine_process import EngineClient
             from freetoken_core.serving.engine_share import MAX_INSTANCES, EngineRendezvous

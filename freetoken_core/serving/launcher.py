@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from freetoken_core.serving.cpu_affinity import format_cpu_list, keep_off, parse_cpu_list, resolve_engine_cpus
+from freetoken_core.serving.cpu_affinity import (engine_cpus_of_model, format_cpu_list, keep_off, parse_cpu_list,
+                                                 resolve_engine_cpus)
 from freetoken_core.serving.params import all_param_names, env_overrides
 from freetoken_core.serving.tritonserver import find_tritonserver, server_env
 
@@ -120,16 +121,19 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
     for model in ("tokenizer", "detokenizer"):
         p = dest / model / "config.pbtxt"
         p.write_text(set_parameter(p.read_text(), "model_path", model_path))
+    engine_process = float(get_parameter(text, "engine_process") or 1) != 0
     engine_cpus = get_parameter(text, "engine_cpus") or ""
     if engine_cpus.strip():  # "auto" becomes the list it means here, where the whole host is in view
         ranks = int(get_parameter(text, "tensor_parallel_size") or 1)
-        text = set_parameter(text, "engine_cpus", format_cpu_list(resolve_engine_cpus(engine_cpus, ranks)))
+        cpus = engine_cpus_of_model(engine_cpus, ranks, engine_process)
+        if engine_cpus.strip().lower() != "auto":
+            cpus = resolve_engine_cpus(engine_cpus, ranks)  # a list: checked against this host's CPUs here
+        text = set_parameter(text, "engine_cpus", format_cpu_list(cpus))
         cfg_path.write_text(text)
     if float(get_parameter(text, "nonstream_cancel_probe_ms") or 0) > 0:
         # probes must end inside the detokenizer without a response: only a decoupled model can do that
         p = dest / "detokenizer" / "config.pbtxt"
         p.write_text(set_decoupled(p.read_text()))
-    engine_process = float(get_parameter(text, "engine_process") or 1) != 0
     counts = {"detokenizer": default_detokenizer_instances(),
               "freetoken": default_freetoken_instances(engine_process=engine_process)}
     for model, var in INSTANCE_ENV.items():

@@ -63,7 +63,7 @@ SERVING_DEFAULTS: dict[str, str] = {
     # > 0: while at most one request is in flight, the two waiters on the engine process's pipe (the idle engine
     # process, the instance's engine thread) look this many us for the other's next message before they block
     # (serving/spin.py): a wake-up of a blocked thread costs 50-110 us at the median on the H200 host. 0 = block at
-    # once (the default until measured on the GPU).
+    # once (the default: measured on the H200 no gain at one stream, 1,331 -> 1,349 and 1,314 -> 1,314 tok/s).
     "idle_spin_us": "0",
     # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
@@ -74,13 +74,15 @@ SERVING_DEFAULTS: dict[str, str] = {
 
 # Serving-only knobs whose values are text, not numbers.
 SERVING_TEXT_DEFAULTS: dict[str, str] = {
-    # CPUs of the engine process's own, apart from the rest of the server (serving/cpu_affinity.py): "" (off), a
-    # CPU list ("15", "14-15") or "auto" (the last physical core, on hosts of 8+ CPUs). Opt-in until measured.
-    "engine_cpus": "",
+    # CPUs of the engine process's own, apart from the rest of the server (serving/cpu_affinity.py): "" / "off", a
+    # CPU list ("15", "14-15") or "auto" (the last physical core per rank, on hosts of 8+ CPUs where that is at most
+    # a quarter of them; else off). H200 host, 64 streams: +15-17% tok/s (benchmarks/RESULTS.md, twenty-first session).
+    "engine_cpus": "auto",
     # The optional outputs finish_reason, num_input_tokens, num_output_tokens when the client leaves its
     # return_<name> input out: "all" sends them (the default), "asked" only with return_<name>=true, as the vLLM
     # backend does: a streamed response then carries 2 tensors instead of 5 (each ~14 us of the detokenizer's
-    # execute on the CPU box, benchmarks/RESULTS.md twentieth session, plus Triton's and gRPC's share).
+    # execute on the CPU box, benchmarks/RESULTS.md twentieth session, plus Triton's and gRPC's share). On the H200
+    # host: 16 streams +2.5%, 64 streams -20% (more responses of fewer tokens each), so "all" stays.
     "optional_outputs": "all",
 }
 

@@ -40,6 +40,18 @@ def test_auto_takes_the_last_whole_core_per_rank_on_a_big_enough_host():
         assert resolve_engine_cpus(off, 1, HOST16, pairs) == frozenset()
 
 
+def test_auto_sets_apart_at_most_a_quarter_of_the_cpus_and_never_fails():
+    """auto is the default: it must never fail a load, so where its cores would take more than a quarter of the
+    CPUs (tensor parallelism on a small host) it is off, where a list would be refused."""
+    assert resolve_engine_cpus("auto", 2, HOST16, pairs) == {6, 7, 14, 15}  # 4 of 16
+    assert resolve_engine_cpus("auto", 3, HOST16, pairs) == frozenset()  # 6 of 16
+    assert resolve_engine_cpus("auto", 8, HOST16, pairs) == frozenset()  # every CPU: a list would raise
+    assert resolve_engine_cpus("auto", 3, frozenset(range(24)), lambda c: frozenset({c})) == {21, 22, 23}
+    quads = lambda c: frozenset({c % 4, c % 4 + 4})  # noqa: E731  (an 8-CPU host of 4 cores)
+    assert resolve_engine_cpus("auto", 1, frozenset(range(8)), quads) == {3, 7}  # 2 of 8: a quarter exactly
+    assert resolve_engine_cpus("auto", 2, frozenset(range(8)), quads) == frozenset()
+
+
 def test_a_cpu_list_must_leave_the_server_a_cpu_and_name_only_usable_ones():
     assert resolve_engine_cpus("14-15", 1, HOST16) == {14, 15}
     with pytest.raises(ValueError, match="CPU.s. 16,17 are not among the CPUs this server may use"):
@@ -53,6 +65,21 @@ def test_the_model_takes_the_written_list_as_is_and_resolves_auto_itself():
     assert engine_cpus_of_model("") == frozenset()
     mine = frozenset(os.sched_getaffinity(0))
     assert engine_cpus_of_model("auto") == resolve_engine_cpus("auto", 1, mine)
+
+
+def test_without_an_engine_process_auto_is_off_and_a_list_is_refused():
+    assert engine_cpus_of_model("auto", 1, engine_process=False) == frozenset()
+    assert engine_cpus_of_model("off", 1, engine_process=False) == frozenset()
+    with pytest.raises(ValueError, match="engine_cpus=3 pins the engine process: it needs engine_process=1"):
+        engine_cpus_of_model("3", 1, engine_process=False)
+
+
+def test_auto_is_the_default():
+    from freetoken_core.serving.launcher import source_repository
+    from freetoken_core.serving.params import SERVING_TEXT_DEFAULTS
+
+    assert SERVING_TEXT_DEFAULTS["engine_cpus"] == "auto"
+    assert get_parameter((source_repository() / "freetoken" / "config.pbtxt").read_text(), "engine_cpus") == "auto"
 
 
 def test_a_cpu_the_host_lacks_fails_with_its_name():
@@ -81,6 +108,12 @@ def test_serve_writes_the_engines_cpus_into_the_repository(tmp_path):
     assert get_parameter(cfg.read_text(), "engine_cpus") == expected
     with pytest.raises(ValueError, match="not among the CPUs this server may use"):
         render_repository(tmp_path / "repo", {"model_path": "/models/m", "engine_cpus": "4096"}, environ={})
+    # the default (auto) without an engine process: off, written as such; a list there is refused at once
+    render_repository(tmp_path / "repo", {"model_path": "/models/m", "engine_process": "0"}, environ={})
+    assert get_parameter(cfg.read_text(), "engine_cpus") == ""
+    with pytest.raises(ValueError, match="needs engine_process=1"):
+        render_repository(tmp_path / "repo", {"model_path": "/models/m", "engine_process": "0",
+                                              "engine_cpus": f"{last}"}, environ={})
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
