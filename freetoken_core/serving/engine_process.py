@@ -36,7 +36,7 @@ from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg, EngineStats
-from freetoken_core.serving.engine_server import decode, engine_main
+from freetoken_core.serving.engine_server import ChildOptions, decode, engine_main
 from freetoken_core.serving.engine_share import INDEX_BITS, EngineRendezvous
 from freetoken_core.serving.faults import DeviceFatalError, FaultSpec
 from freetoken_core.serving.msg_ring import RING_POLL_S, MsgRing
@@ -61,10 +61,12 @@ class EngineClient:
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
                  ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
-                 idle_spin_s: float = 0.0) -> None:
+                 idle_spin_s: float = 0.0, send_thread: bool = False) -> None:
         """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started).
         idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
-        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py)."""
+        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py). send_thread: the child writes to its pipes
+        from a thread of its own (serving/pipe_writer.py). The child's options are the owner's: a member of a
+        shared engine joins it as it runs."""
         self.step_wait_s = step_wait_s
         self.idle_spin_s = idle_spin_s
         self.ring_poll_s = ring_poll_s
@@ -80,13 +82,12 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ring_bytes, engine_cpus, idle_spin_s)
+            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s, send_thread))
         else:
             self._connect(share, member_ready_timeout_s)
 
     def _start_child(self, config: EngineConfig, faults: list[FaultSpec] | None,
-                     share: EngineRendezvous | None, ring_bytes: int, engine_cpus: frozenset[int],
-                     idle_spin_s: float) -> None:
+                     share: EngineRendezvous | None, options: ChildOptions) -> None:
         listen = None
         if share is not None:
             self._share = share
@@ -95,8 +96,7 @@ class EngineClient:
         self._cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._out_r, self._out_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=engine_main,
-                                 args=(self._cmd_r, self._out_w, config, list(faults or []), listen, ring_bytes,
-                                       engine_cpus, idle_spin_s),
+                                 args=(self._cmd_r, self._out_w, config, list(faults or []), listen, options),
                                  name="freetoken-engine", daemon=False)  # daemonic processes cannot start TP ranks
         self._proc.start()
         self._cmd_r.close()

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Listener
 from typing import Any
 
@@ -22,6 +23,7 @@ from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_proces
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
+from freetoken_core.serving.pipe_writer import PipeWriter
 from freetoken_core.serving.spin import spin_until
 
 log = logging.getLogger(__name__)
@@ -51,15 +53,24 @@ def make_ring(capacity: int) -> MsgRing | None:
         return None
 
 
+@dataclass(frozen=True)
+class ChildOptions:
+    """How the engine process talks to its instances and where it runs (the serving parameters of its owner)."""
+
+    ring_bytes: int = 0  # engine_msg_ring_kib: each instance's shared-memory message ring (0: the pipe)
+    engine_cpus: frozenset[int] = frozenset()  # engine_cpus: the CPUs this process moves onto (empty: stays)
+    idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/spin.py)
+    send_thread: bool = False  # engine_send_thread: pipe writes on a thread of their own (serving/pipe_writer.py)
+
+
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
-                listen: tuple[str, bytes] | None = None, ring_bytes: int = 0,
-                engine_cpus: frozenset[int] = frozenset(), idle_spin_s: float = 0.0) -> None:
+                listen: tuple[str, bytes] | None = None, options: ChildOptions = ChildOptions()) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
     ring = None
     try:
-        if engine_cpus:  # before the model loads: every thread started from here on stays there too
-            pin_this_process(engine_cpus)
-            log.info("engine process on CPU(s) %s", format_cpu_list(engine_cpus))
+        if options.engine_cpus:  # before the model loads: every thread started from here on stays there too
+            pin_this_process(options.engine_cpus)
+            log.info("engine process on CPU(s) %s", format_cpu_list(options.engine_cpus))
         from freetoken_core.scheduler.scheduler import Scheduler
 
         sched = Scheduler(config)
@@ -68,7 +79,7 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         anchors = sched.tokenizer.anchors if sched.tokenizer is not None else None
         info = {"anchors": anchors, "stats": sched.stats(), "max_req_len": sched.max_req_len, "index": 0}
         listener = Listener(listen[0], family="AF_UNIX", authkey=listen[1]) if listen is not None else None
-        ring = make_ring(ring_bytes)
+        ring = make_ring(options.ring_bytes)
         out_conn.send(("ready", {**info, "ring": ring.path if ring is not None else None}))
     except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
         log.exception("the engine failed to start")
@@ -77,8 +88,8 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         return
     try:
-        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=ring_bytes,
-                     idle_spin_s=idle_spin_s).run()
+        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=options.ring_bytes,
+                     idle_spin_s=options.idle_spin_s, send_thread=options.send_thread).run()
     finally:
         sched.close()
 
@@ -89,11 +100,12 @@ class EngineServer:
     step's messages at once, each to the instance whose request it is. Connection 0 is the owner's
     pipe pair; a shared engine accepts members on `listener` (1, 2, ...). With `ring_bytes` each
     instance's step messages go through a shared-memory ring of its own (serving/msg_ring.py; `ring`:
-    the owner's, made before the ready message), everything else over its connection."""
+    the owner's, made before the ready message), everything else over its connection. With `send_thread`
+    the connection writes go through a PipeWriter (serving/pipe_writer.py) instead of this thread."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
                  ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0,
-                 idle_spin_s: float = 0.0) -> None:
+                 idle_spin_s: float = 0.0, send_thread: bool = False) -> None:
         self.sched = sched
         self.idle_spin_s = idle_spin_s  # serving/spin.py: how long an idle engine looks for the next command
         self.outs: dict[int, Any] = {0: out_conn}
@@ -109,6 +121,9 @@ class EngineServer:
         self.ready_info = ready_info or {}
         self.last_stats = 0.0
         self.stopping = False
+        self.writer = PipeWriter() if send_thread else None
+        if send_thread:
+            log.info("engine process: pipe writes on a thread of their own (engine_send_thread)")
 
     def _reader(self, index: int, conn: Any) -> threading.Thread:
         return threading.Thread(target=self._read, args=(index, conn), name=f"freetoken-engine-commands-{index}",
@@ -175,11 +190,15 @@ class EngineServer:
                 if now - self.last_stats >= STATS_INTERVAL_S or not sched.has_work():
                     self._broadcast(("stats", sched.stats()))
                     self.last_stats = now
+                if self.writer is not None:
+                    self._drop_broken()
             for index in [i for i in self.outs if i != 0]:  # the owner stopped it: tell the members
                 self._send(index, ("stopped", STOPPED))
             if self.listener is not None:
                 log.info("shared engine stopping: requests per instance %s", dict(sorted(self.requests_by_instance.items())))
         finally:
+            if self.writer is not None:
+                self.writer.close()  # what is queued goes out first (the members' "stopped", a "dead")
             if self.listener is not None:
                 try:
                     self.listener.close()
@@ -234,6 +253,9 @@ class EngineServer:
         out = self.outs.get(index)
         if out is None:
             return
+        if self.writer is not None:  # pickled here, written by the writer thread (Connection.recv unpickles it)
+            self.writer.put(index, out, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+            return
         if index == 0:
             out.send(item)  # the owner's pipe: if it is gone, so is the model
             return
@@ -246,10 +268,21 @@ class EngineServer:
         for index in list(self.outs):
             self._send(index, item)
 
+    def _drop_broken(self) -> None:
+        """The connections the writer thread failed to write to: the owner's means the model is gone (as a failed
+        send raises on this thread without the writer); a member's is dropped."""
+        for index in self.writer.broken():
+            if index == 0:
+                self.stopping = True
+            else:
+                self._drop(index)
+
     def _drop(self, index: int) -> None:
         """A member left (or its connection broke): abort its requests, forget it."""
         out = self.outs.pop(index, None)
-        if out is not None:
+        if out is not None and self.writer is not None:
+            self.writer.close_after(index, out)  # after its queued writes: never a close under a write
+        elif out is not None:
             try:
                 out.close()
             except OSError:
