@@ -43,8 +43,8 @@ def client(smollm2_path, request):
     engine_cpus = PINNED_CPUS if request.param == "pipe" else frozenset()
     # the pipe client and its engine process also spin for each other's messages before they block (serving/spin.py)
     c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
-                     ring_bytes=ring_bytes, engine_cpus=engine_cpus, idle_spin_s=0.002 if request.param == "pipe" else 0.0,
-                     send_thread=request.param == "writer")
+                     ring_bytes=ring_bytes, engine_cpus=engine_cpus,
+                     idle_spin_s=0.002 if request.param == "pipe" else 0.0, send_thread=request.param == "writer")
     c.asked_cpus = engine_cpus
     assert (c._ring is not None) == (ring_bytes > 0 and ring_supported())
     yield c
