@@ -172,6 +172,13 @@ def step_send_cost(n: int, gap: float, instances: int, writer: bool) -> float:
     for r, _ in pipes:
         r.close()
     out = PipeWriter() if writer else None
+
+    def send(i: int, w, item) -> None:  # as EngineServer._send does, with and without the writer
+        if out is None:
+            w.send(item)
+        else:
+            out.put(i, w, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+
     msg = DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7)
     for _, w in pipes:
         w.send(("msgs", [encode(msg)]))
@@ -181,17 +188,10 @@ def step_send_cost(n: int, gap: float, instances: int, writer: bool) -> float:
         time.sleep(gap)
         t0 = time.perf_counter()
         for i, (_, w) in enumerate(pipes):
-            item = ("msgs", [encode(msg)])
-            if out is None:
-                w.send(item)
-            else:
-                out.put(i, w, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+            send(i, w, ("msgs", [encode(msg)]))
         costs.append(time.perf_counter() - t0)
     for i, (_, w) in enumerate(pipes):
-        if out is None:
-            w.send(None)
-        else:
-            out.put(i, w, pickle.dumps(None))
+        send(i, w, None)
     if out is not None:
         out.close()
         assert not out.broken()

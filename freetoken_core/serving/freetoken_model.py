@@ -144,8 +144,7 @@ class FreetokenModel:
             ring_bytes, ring_poll_s = msg_ring(self.options)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
                                       ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
-                                      idle_spin_s=idle_spin(self.options),
-                                      send_thread=send_thread)
+                                      idle_spin_s=idle_spin(self.options), send_thread=send_thread)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 

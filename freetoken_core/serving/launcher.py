@@ -125,9 +125,10 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
     engine_cpus = get_parameter(text, "engine_cpus") or ""
     if engine_cpus.strip():  # "auto" becomes the list it means here, where the whole host is in view
         ranks = int(get_parameter(text, "tensor_parallel_size") or 1)
-        engine_cpus_of_model(engine_cpus, ranks, engine_process)  # refuses a CPU list without an engine process
-        # a list is checked against this host's CPUs here; auto without an engine process is off
-        cpus = resolve_engine_cpus(engine_cpus, ranks) if engine_process else frozenset()
+        # with an engine process: auto resolved, a list checked against this host's CPUs; without one: auto is off
+        # and a list is refused
+        cpus = (resolve_engine_cpus(engine_cpus, ranks) if engine_process
+                else engine_cpus_of_model(engine_cpus, ranks, engine_process=False))
         text = set_parameter(text, "engine_cpus", format_cpu_list(cpus))
         cfg_path.write_text(text)
     if float(get_parameter(text, "nonstream_cancel_probe_ms") or 0) > 0:
