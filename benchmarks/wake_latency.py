@@ -9,8 +9,8 @@ idles in between as it does between one request's end and the next one's start a
 - process pipe, spinning: the receiver polls `Connection.poll(0)` in a loop instead of blocking;
 - thread SimpleQueue, spinning: `get_nowait()` + `time.sleep(0)` in a loop.
 Then the cost of one step's message on the engine process's pipe (encode + pickle + write), per call, and the
-engine main thread's time for one step's messages to INSTANCES pipes, written itself or handed to the writer thread
-(engine_send_thread, serving/pipe_writer.py).
+engine main thread's time for one step's messages to INSTANCES pipes (the writer thread that took that time off
+it, engine_send_thread, was measured slower served and removed: benchmarks/RESULTS.md, twenty-second session).
 
   python3 benchmarks/wake_latency.py [--n 300] [--gap-ms 5] [--instances 6]
 """
@@ -154,15 +154,11 @@ def message_cost(n: int, gap: float, spin: bool) -> tuple[float, float]:
     return statistics.median(pickled), statistics.median(sent)
 
 
-def step_send_cost(n: int, gap: float, instances: int, writer: bool) -> float:
-    """The engine main thread's time to hand one step's messages to INSTANCES pipes (one message each), steps GAP
-    apart, the readers blocked in poll: each Connection.send itself, or pickled and queued for the PipeWriter
-    thread (engine_send_thread). Median seconds a step."""
-    import pickle
-
+def step_send_cost(n: int, gap: float, instances: int) -> float:
+    """The engine main thread's time to send one step's messages to INSTANCES pipes (one message each, as
+    EngineServer._send does), steps GAP apart, the readers blocked in poll. Median seconds a step."""
     from freetoken_core.messages import DetokenizeMsg
     from freetoken_core.serving.engine_server import encode
-    from freetoken_core.serving.pipe_writer import PipeWriter
 
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(instances)]
@@ -171,14 +167,6 @@ def step_send_cost(n: int, gap: float, instances: int, writer: bool) -> float:
         p.start()
     for r, _ in pipes:
         r.close()
-    out = PipeWriter() if writer else None
-
-    def send(i: int, w, item) -> None:  # as EngineServer._send does, with and without the writer
-        if out is None:
-            w.send(item)
-        else:
-            out.put(i, w, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
-
     msg = DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7)
     for _, w in pipes:
         w.send(("msgs", [encode(msg)]))
@@ -187,14 +175,11 @@ def step_send_cost(n: int, gap: float, instances: int, writer: bool) -> float:
     for _ in range(n):
         time.sleep(gap)
         t0 = time.perf_counter()
-        for i, (_, w) in enumerate(pipes):
-            send(i, w, ("msgs", [encode(msg)]))
+        for _, w in pipes:
+            w.send(("msgs", [encode(msg)]))
         costs.append(time.perf_counter() - t0)
-    for i, (_, w) in enumerate(pipes):
-        send(i, w, None)
-    if out is not None:
-        out.close()
-        assert not out.broken()
+    for _, w in pipes:
+        w.send(None)
     for p in procs:
         p.join()
     return statistics.median(costs)
@@ -218,11 +203,9 @@ def main() -> None:
         pickled, sent = message_cost(a.n, 0.0007, spin)
         print(f"one step's message on the engine pipe, 0.7 ms apart, reader {'spinning' if spin else 'blocked'}: "
               f"encode + pickle {1e6 * pickled:.2f} us, + Connection.send {1e6 * sent:.2f} us (medians)")
-    for writer in (False, True):
-        cost = step_send_cost(a.n, 0.0012, a.instances, writer)
-        how = "pickled and queued for the writer thread" if writer else "Connection.send each"
-        print(f"one step's messages to {a.instances} pipes, 1.2 ms apart, {how}: {1e6 * cost:.1f} us of the engine's "
-              f"main thread a step (median)")
+    cost = step_send_cost(a.n, 0.0012, a.instances)
+    print(f"one step's messages to {a.instances} pipes, 1.2 ms apart, Connection.send each: {1e6 * cost:.1f} us of the "
+          f"engine's main thread a step (median)")
 
 
 if __name__ == "__main__":

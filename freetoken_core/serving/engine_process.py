@@ -61,11 +61,10 @@ class EngineClient:
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
                  ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
-                 idle_spin_s: float = 0.0, send_thread: bool = False) -> None:
+                 idle_spin_s: float = 0.0) -> None:
         """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started).
         idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
-        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py). send_thread: the child writes to its pipes
-        from a thread of its own (serving/pipe_writer.py). The child's options are the owner's: a member of a
+        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py). The child's options are the owner's: a member of a
         shared engine joins it as it runs."""
         self.step_wait_s = step_wait_s
         self.idle_spin_s = idle_spin_s
@@ -82,7 +81,7 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s, send_thread))
+            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s))
         else:
             self._connect(share, member_ready_timeout_s)
 

@@ -23,7 +23,6 @@ from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_proces
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
-from freetoken_core.serving.pipe_writer import PipeWriter
 from freetoken_core.serving.spin import spin_until
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,6 @@ class ChildOptions:
     ring_bytes: int = 0  # engine_msg_ring_kib: each instance's shared-memory message ring (0: the pipe)
     engine_cpus: frozenset[int] = frozenset()  # engine_cpus: the CPUs this process moves onto (empty: stays)
     idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/spin.py)
-    send_thread: bool = False  # engine_send_thread: pipe writes on a thread of their own (serving/pipe_writer.py)
 
 
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
@@ -89,7 +87,7 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         return
     try:
         EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=options.ring_bytes,
-                     idle_spin_s=options.idle_spin_s, send_thread=options.send_thread).run()
+                     idle_spin_s=options.idle_spin_s).run()
     finally:
         sched.close()
 
@@ -100,12 +98,11 @@ class EngineServer:
     step's messages at once, each to the instance whose request it is. Connection 0 is the owner's
     pipe pair; a shared engine accepts members on `listener` (1, 2, ...). With `ring_bytes` each
     instance's step messages go through a shared-memory ring of its own (serving/msg_ring.py; `ring`:
-    the owner's, made before the ready message), everything else over its connection. With `send_thread`
-    the connection writes go through a PipeWriter (serving/pipe_writer.py) instead of this thread."""
+    the owner's, made before the ready message), everything else over its connection."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
                  ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0,
-                 idle_spin_s: float = 0.0, send_thread: bool = False) -> None:
+                 idle_spin_s: float = 0.0) -> None:
         self.sched = sched
         self.idle_spin_s = idle_spin_s  # serving/spin.py: how long an idle engine looks for the next command
         self.outs: dict[int, Any] = {0: out_conn}
@@ -121,9 +118,6 @@ class EngineServer:
         self.ready_info = ready_info or {}
         self.last_stats = 0.0
         self.stopping = False
-        self.writer = PipeWriter() if send_thread else None
-        if send_thread:
-            log.info("engine process: pipe writes on a thread of their own (engine_send_thread)")
 
     def _reader(self, index: int, conn: Any) -> threading.Thread:
         return threading.Thread(target=self._read, args=(index, conn), name=f"freetoken-engine-commands-{index}",
@@ -190,15 +184,11 @@ class EngineServer:
                 if now - self.last_stats >= STATS_INTERVAL_S or not sched.has_work():
                     self._broadcast(("stats", sched.stats()))
                     self.last_stats = now
-                if self.writer is not None:
-                    self._drop_broken()
             for index in [i for i in self.outs if i != 0]:  # the owner stopped it: tell the members
                 self._send(index, ("stopped", STOPPED))
             if self.listener is not None:
                 log.info("shared engine stopping: requests per instance %s", dict(sorted(self.requests_by_instance.items())))
         finally:
-            if self.writer is not None:
-                self.writer.close()  # what is queued goes out first (the members' "stopped", a "dead")
             if self.listener is not None:
                 try:
                     self.listener.close()
@@ -253,9 +243,6 @@ class EngineServer:
         out = self.outs.get(index)
         if out is None:
             return
-        if self.writer is not None:  # pickled here, written by the writer thread (Connection.recv unpickles it)
-            self.writer.put(index, out, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
-            return
         if index == 0:
             out.send(item)  # the owner's pipe: if it is gone, so is the model
             return
@@ -268,21 +255,10 @@ class EngineServer:
         for index in list(self.outs):
             self._send(index, item)
 
-    def _drop_broken(self) -> None:
-        """The connections the writer thread failed to write to: the owner's means the model is gone (as a failed
-        send raises on this thread without the writer); a member's is dropped."""
-        for index in self.writer.broken():
-            if index == 0:
-                self.stopping = True
-            else:
-                self._drop(index)
-
     def _drop(self, index: int) -> None:
         """A member left (or its connection broke): abort its requests, forget it."""
         out = self.outs.pop(index, None)
-        if out is not None and self.writer is not None:
-            self.writer.close_after(index, out)  # after its queued writes: never a close under a write
-        elif out is not None:
+        if out is not None:
             try:
                 out.close()
             except OSError:

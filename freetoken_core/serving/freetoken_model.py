@@ -20,8 +20,8 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
-    engine_config_from_params, engine_send_thread, idle_spin, msg_ring, parse_model_config_params,
-    send_unasked_outputs, sender_threads, serving_options, stream_interval,
+    engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
+    serving_options, stream_interval,
 )
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
@@ -128,9 +128,6 @@ class FreetokenModel:
                              "engine process: set engine_process=1, or use one instance")
         engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size,
                                            engine_process=bool(self.options["engine_process"]))
-        send_thread = engine_send_thread(self.options)
-        if send_thread and not self.options["engine_process"]:
-            raise ValueError("engine_send_thread=1 is a thread of the engine process: it needs engine_process=1")
         if self.options["engine_process"]:
             from freetoken_core.serving.engine_process import EngineClient
             from freetoken_core.serving.engine_share import MAX_INSTANCES, EngineRendezvous
@@ -144,7 +141,7 @@ class FreetokenModel:
             ring_bytes, ring_poll_s = msg_ring(self.options)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
                                       ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
-                                      idle_spin_s=idle_spin(self.options), send_thread=send_thread)
+                                      idle_spin_s=idle_spin(self.options))
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 

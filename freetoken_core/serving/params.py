@@ -65,11 +65,6 @@ SERVING_DEFAULTS: dict[str, str] = {
     # (serving/spin.py): a wake-up of a blocked thread costs 50-110 us at the median on the H200 host. 0 = block at
     # once (the default: measured on the H200 no gain at one stream, 1,331 -> 1,349 and 1,314 -> 1,314 tok/s).
     "idle_spin_us": "0",
-    # 1: the engine process writes its messages to the instances' pipes from a thread of its own
-    # (serving/pipe_writer.py), so its main thread, which steps the scheduler, does not wait in those writes (~21 us
-    # a write on the H200 host, up to one a step per instance). 0 = the main thread writes (the default until
-    # measured on the GPU).
-    "engine_send_thread": "0",
     # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
     # request stays on one thread (its order holds). 1 = the sender thread sends itself.
@@ -199,14 +194,6 @@ def idle_spin(options: Mapping[str, float]) -> float:
     if not 0 <= value <= 100_000:
         raise ValueError(f"serving parameter idle_spin_us must be from 0 (off) to 100000 (0.1 s), got {value:g}")
     return value / 1e6
-
-
-def engine_send_thread(options: Mapping[str, float]) -> bool:
-    """Whether the engine process writes to its pipes from a thread of its own (serving/pipe_writer.py)."""
-    value = options["engine_send_thread"]
-    if value not in (0, 1):
-        raise ValueError(f"serving parameter engine_send_thread must be 0 or 1, got {value:g}")
-    return value == 1
 
 
 def send_unasked_outputs(params: Mapping[str, str]) -> bool:

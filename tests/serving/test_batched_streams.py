@@ -76,20 +76,18 @@ def ordered_out(smollm2_path, tmp_path_factory):
     """Two detokenizer instances that keep each stream in order themselves (detok_send_order): four
     responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the waiters on
     the engine process's pipe spin before they block (idle_spin_us), the engine process runs on a CPU of its own
-    with the rest of the server on the others (engine_cpus, where the host has two or more), its pipe writes go
-    through a thread of their own (engine_send_thread), and the optional outputs go only to clients that ask for
-    them (optional_outputs=asked)."""
+    with the rest of the server on the others (engine_cpus, where the host has two or more), and the optional
+    outputs go only to clients that ask for them (optional_outputs=asked)."""
     workdir = tmp_path_factory.mktemp("triton-ordered")
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus = str(cpus[-1]) if len(cpus) > 1 else ""
     handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
                            {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus,
-                            "optional_outputs": "asked", "engine_send_thread": "1"})
+                            "optional_outputs": "asked"})
     assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
     from freetoken_core.serving.launcher import get_parameter
 
     assert get_parameter((workdir / "repo" / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
-    assert "pipe writes on a thread of their own" in (workdir / "tritonserver.log").read_text()
     if engine_cpus:
         assert f"engine process on CPU(s) {engine_cpus}" in (workdir / "tritonserver.log").read_text()
         assert os.sched_getaffinity(handle.process.pid) == set(cpus[:-1])

@@ -34,17 +34,16 @@ def llm(smollm2_path):
 PINNED_CPUS = frozenset({max(os.sched_getaffinity(0))}) if len(os.sched_getaffinity(0)) > 1 else frozenset()
 
 
-@pytest.fixture(scope="module", params=["ring", "pipe", "writer"])
+@pytest.fixture(scope="module", params=["ring", "pipe"])
 def client(smollm2_path, request):
-    """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py), over the pipe (with the
-    engine process on a CPU of its own and both sides spinning: opt-in too), and over the pipe written by the
-    engine process's writer thread (engine_send_thread, serving/pipe_writer.py: opt-in)."""
+    """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py) and over the pipe (with the
+    engine process on a CPU of its own and both sides spinning: opt-in too)."""
     ring_bytes = RING_BYTES if request.param == "ring" else 0
     engine_cpus = PINNED_CPUS if request.param == "pipe" else frozenset()
     # the pipe client and its engine process also spin for each other's messages before they block (serving/spin.py)
     c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
                      ring_bytes=ring_bytes, engine_cpus=engine_cpus,
-                     idle_spin_s=0.002 if request.param == "pipe" else 0.0, send_thread=request.param == "writer")
+                     idle_spin_s=0.002 if request.param == "pipe" else 0.0)
     c.asked_cpus = engine_cpus
     assert (c._ring is not None) == (ring_bytes > 0 and ring_supported())
     yield c
@@ -196,13 +195,11 @@ def run_clients(clients, timeout_s: float = 120.0) -> list[dict[int, list[Detoke
     return outs
 
 
-@pytest.mark.parametrize("send_thread", [False, True], ids=["main_writes", "writer_thread"])
-def test_one_engine_process_shared_by_two_instances(smollm2_path, llm, send_thread):
+def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
     """Several `freetoken` instances, one engine (serving/engine_share.py): the first to arrive starts
     it, the next joins; each gets exactly its own requests' tokens (as in-process), a member that leaves
     has its requests aborted, and when the owner stops the engine a member's requests end with one error
-    each (not a device fault). With send_thread the engine's writer thread writes to the members and closes
-    the connection of the one that left."""
+    each (not a device fault)."""
     import os
     import secrets
 
@@ -211,15 +208,13 @@ def test_one_engine_process_shared_by_two_instances(smollm2_path, llm, send_thre
 
     config = EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2)
     name = f"test-{secrets.token_hex(4)}"
-    # with the writer thread every message goes over the pipes (no rings), so the writer carries the members' steps
-    owner = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()),
-                         ring_bytes=0 if send_thread else RING_BYTES, send_thread=send_thread)
+    owner = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()), ring_bytes=RING_BYTES)
     member = EngineClient(config, share=EngineRendezvous(name, server_pid=os.getpid()))
     late = None
     try:
         assert owner._proc is not None and member._proc is None  # one child process
         assert (owner._index, member._index) == (0, 1)
-        assert (member._ring is not None) == (ring_supported() and not send_thread)  # each instance its own ring
+        assert (member._ring is not None) == ring_supported()  # each instance its own ring
         params = SamplingParams(max_tokens=12, ignore_eos=True)
         expected = llm.generate(PROMPTS, params)
         uids = [(owner if i % 2 == 0 else member).add_request(llm.encode(p), params) for i, p in enumerate(PROMPTS)]

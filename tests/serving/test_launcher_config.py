@@ -153,16 +153,6 @@ def test_idle_spin_parameter():
             idle_spin(serving_options({"idle_spin_us": bad}))
 
 
-def test_engine_send_thread_parameter():
-    from freetoken_core.serving.params import engine_send_thread, serving_options
-
-    assert engine_send_thread(serving_options({})) is False  # off by default: the main thread writes
-    assert engine_send_thread(serving_options({"engine_send_thread": "1"})) is True
-    for bad in ("2", "0.5", "-1"):
-        with pytest.raises(ValueError, match="engine_send_thread must be 0 or 1"):
-            engine_send_thread(serving_options({"engine_send_thread": bad}))
-
-
 def test_optional_outputs_parameter():
     from freetoken_core.serving.params import send_unasked_outputs
 
