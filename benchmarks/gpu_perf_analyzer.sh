@@ -15,6 +15,8 @@
 #   PYSPY_OUT=DIR PYSPY_AT=64 PYSPY_S=8: while perf_analyzer runs the ensemble at concurrency PYSPY_AT, sample
 #   every Python-backend stub and the engine process with py-spy (on PATH) for PYSPY_S seconds; DIR gets one
 #   `py-spy record --format raw` file per process (collapsed stacks; benchmarks/pa_summary.py top DIR sums them)
+#   PA_EXPORT=DIR: perf_analyzer also writes each run's per-request timestamps to DIR/TARGET-C.json, summarized
+#   after the table (benchmarks/pa_export.py: mean vs p50 latency, streams busy, the client's gap between requests)
 #   CPU_USAGE=1: after the table, the cores each process group used during each perf_analyzer run and how busy
 #   the host was (benchmarks/cpu_usage.py)
 #   ENGINE_CPUS=LIST (taskset syntax, e.g. 15 or 14,15): once the server is up, the engine process is pinned to
@@ -43,6 +45,7 @@ pa_ms=${PA_MS:-6000}
 pa_ms_at() { if [ "$1" = 1 ] && [ -n "${PA_MS_1:-}" ]; then echo "$PA_MS_1"; else echo "$pa_ms"; fi; }
 sse_s=${SSE_S:-10}
 work=$(mktemp -d /tmp/ft-pa-XXXX)
+[ -z "${PA_EXPORT:-}" ] || mkdir -p "$PA_EXPORT"
 # the Python-backend stub ignores PYTHONPATH: make freetoken_core importable by its python3
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 echo "$repo" > "$site/freetoken_repo.pth"
@@ -115,7 +118,8 @@ for target in ${TARGETS:-ensemble freetoken}; do
     timeout 120 "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
       --measurement-interval "$(pa_ms_at "$c")" --stability-percentage 50 --max-trials "${PA_TRIALS:-6}" --percentile 50 \
-      -f "$work/$target-$c.csv" --verbose-csv > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
+      -f "$work/$target-$c.csv" --verbose-csv ${PA_EXPORT:+--profile-export-file "$PA_EXPORT/$target-$c.json"} \
+      > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
     if [ -n "${CPU_USAGE:-}" ]; then
       python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-b.json"
       cpu_lines+=("$target $c: $(python3 "$repo/benchmarks/cpu_usage.py" diff "$work/cpu-a.json" "$work/cpu-b.json")")
@@ -133,6 +137,9 @@ python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/m
 grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
+if [ -n "${PA_EXPORT:-}" ]; then
+  echo; python3 "$repo/benchmarks/pa_export.py" "$PA_EXPORT"/*.json || true
+fi
 printf '%s\n' "${sse_rows[@]}"
 [ ${#cpu_lines[@]} -eq 0 ] || printf '%s\n' "${cpu_lines[@]}"
 if [ -n "${STREAM1:-}" ]; then

@@ -1,0 +1,88 @@
+"""Where a closed loop's slots go: perf_analyzer's per-request timestamps (--profile-export-file) summarized.
+
+    python benchmarks/pa_export.py FILE.json [FILE.json ...]     # gpu_perf_analyzer.sh PA_EXPORT=DIR writes them
+
+Why (issue 13): perf_analyzer at concurrency C keeps C requests outstanding, so by Little's law requests/s x mean
+latency should be C. On the H200 host the Llama-3.2-1B shape read 94.2 requests/s x 159.6 ms (p50) = 15.0 at 16
+streams while SmolLM2 read 16.0: about one stream of 16 idle, which alone is most of that shape's 16-stream gap to
+in-process. This tells which it is, per experiment (concurrency): requests slower than the median (mean latency
+above p50: a tail), or time between a request's last response and the client's next send (the client or the
+server's FINAL after the last response).
+
+Per experiment: requests; mean / p50 / p99 latency (send -> last response); mean TTFT (send -> first response);
+busy streams (the summed latencies over the span from the first send to the last response, i.e. mean requests in
+flight); and the client gap: with C streams, the k-th send after the first C follows the k-th completion (a closed
+loop), so gap_k = send_(C+k) - completion_k in time order: its p50 / mean / p99.
+
+The export's layout (perf_analyzer 2.x): {"experiments": [{"experiment": {"mode": "concurrency", "value": C},
+"requests": [{"timestamp": ns, "response_timestamps": [ns, ...], ...}, ...], "window_boundaries": [ns, ...]}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class LoopSummary:
+    concurrency: int
+    requests: int
+    latency_mean_ms: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    ttft_mean_ms: float
+    busy_streams: float  # mean requests in flight over the run
+    gap_p50_ms: float
+    gap_mean_ms: float
+    gap_p99_ms: float
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def summarize(concurrency: int, requests: list[dict]) -> LoopSummary | None:
+    """One experiment's requests (those with at least one response)."""
+    spans = sorted((r["timestamp"], r["response_timestamps"][0], r["response_timestamps"][-1])
+                   for r in requests if r.get("response_timestamps"))
+    if len(spans) <= concurrency:
+        return None
+    ms = 1e-6  # the timestamps are ns
+    latencies = [(end - send) * ms for send, _, end in spans]
+    sends = [send for send, _, _ in spans]
+    ends = sorted(end for _, _, end in spans)
+    gaps = [(sends[concurrency + k] - ends[k]) * ms for k in range(len(spans) - concurrency)]
+    span = (max(ends) - sends[0]) * ms
+    return LoopSummary(concurrency, len(spans), statistics.fmean(latencies), _pct(latencies, 0.5),
+                       _pct(latencies, 0.99), statistics.fmean((first - send) * ms for send, first, _ in spans),
+                       sum(latencies) / span, _pct(gaps, 0.5), statistics.fmean(gaps), _pct(gaps, 0.99))
+
+
+def read_export(path: Path) -> list[LoopSummary]:
+    data = json.loads(path.read_text())
+    out = []
+    for exp in data.get("experiments", []):
+        summary = summarize(int(exp["experiment"]["value"]), exp.get("requests", []))
+        if summary is not None:
+            out.append(summary)
+    return out
+
+
+def table(paths: list[Path]) -> str:
+    lines = ["| file | streams | requests | latency mean / p50 / p99 ms | TTFT mean ms | busy streams | "
+             "client gap p50 / mean / p99 ms |", "|---|---|---|---|---|---|---|"]
+    for path in paths:
+        for s in read_export(path):
+            lines.append(f"| {path.name} | {s.concurrency} | {s.requests} | {s.latency_mean_ms:.1f} / "
+                         f"{s.latency_p50_ms:.1f} / {s.latency_p99_ms:.1f} | {s.ttft_mean_ms:.2f} | "
+                         f"{s.busy_streams:.2f} | {s.gap_p50_ms:.2f} / {s.gap_mean_ms:.2f} / {s.gap_p99_ms:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table([Path(p) for p in sys.argv[1:]]))
