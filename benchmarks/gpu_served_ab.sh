@@ -7,7 +7,7 @@
 # A SETTING is environment assignments for the server (FREETOKEN_<PARAM>=V overrides a serving parameter), e.g.
 #   bash benchmarks/gpu_served_ab.sh smollm2-135m \
 #     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
-# An empty SETTING ("") is the defaults. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (4) as in
+# An empty SETTING ("") is the defaults. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (10) as in
 # gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
 # (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
@@ -17,7 +17,7 @@ settings=${2:-""}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
-export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-4} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
+export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-10} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"

@@ -1,6 +1,6 @@
 """Where a closed loop's slots go: perf_analyzer's per-request timestamps (--profile-export-file) summarized.
 
-    python benchmarks/pa_export.py FILE.json [FILE.json ...]     # gpu_perf_analyzer.sh PA_EXPORT=DIR writes them
+    python benchmarks/pa_export.py [--out-tokens 128] FILE.json [FILE.json ...]   # gpu_perf_analyzer.sh PA_EXPORT=DIR
 
 Why (issue 13): perf_analyzer at concurrency C keeps C requests outstanding, so by Little's law requests/s x mean
 latency should be C. On the H200 host the Llama-3.2-1B shape read 94.2 requests/s x 159.6 ms (p50) = 15.0 at 16
@@ -8,6 +8,11 @@ streams while SmolLM2 read 16.0: about one stream of 16 idle, which alone is mos
 in-process. This tells which it is, per experiment (concurrency): requests slower than the median (mean latency
 above p50: a tail), or time between a request's last response and the client's next send (the client or the
 server's FINAL after the last response).
+
+Per measurement window (perf_analyzer's `window_boundaries`): requests that ended in it, requests/s, tokens/s
+(requests x OUT_TOKENS, default 128: ignore_eos) and busy streams in it. The first window shows perf_analyzer's
+ramp: it starts its streams a few at a time (Llama-3.2-1B at 16 streams: 5 every ~150 ms, 12.9 busy streams in a
+first window of 3.6 s against 15.9 in the next two).
 
 Per experiment: requests; mean / p50 / p99 latency (send -> last response); mean TTFT (send -> first response);
 busy streams (the summed latencies over the span from the first send to the last response, i.e. mean requests in
@@ -63,26 +68,55 @@ def summarize(concurrency: int, requests: list[dict]) -> LoopSummary | None:
                        sum(latencies) / span, _pct(gaps, 0.5), statistics.fmean(gaps), _pct(gaps, 0.99))
 
 
-def read_export(path: Path) -> list[LoopSummary]:
-    data = json.loads(path.read_text())
+@dataclass
+class Window:
+    start_s: float  # from the first boundary
+    end_s: float
+    requests: int  # that ended in the window
+    busy_streams: float  # requests in flight, averaged over the window
+
+
+def windows(requests: list[dict], boundaries: list[int]) -> list[Window]:
+    spans = [(r["timestamp"], r["response_timestamps"][-1]) for r in requests if r.get("response_timestamps")]
     out = []
-    for exp in data.get("experiments", []):
-        summary = summarize(int(exp["experiment"]["value"]), exp.get("requests", []))
-        if summary is not None:
-            out.append(summary)
+    for a, b in zip(boundaries, boundaries[1:]):
+        done = sum(1 for _, end in spans if a <= end < b)
+        busy = sum(max(0, min(end, b) - max(send, a)) for send, end in spans) / (b - a)
+        out.append(Window((a - boundaries[0]) * 1e-9, (b - boundaries[0]) * 1e-9, done, busy))
     return out
 
 
-def table(paths: list[Path]) -> str:
+def read_export(path: Path) -> list[tuple[LoopSummary, list[Window]]]:
+    data = json.loads(path.read_text())
+    out = []
+    for exp in data.get("experiments", []):
+        requests = exp.get("requests", [])
+        summary = summarize(int(exp["experiment"]["value"]), requests)
+        if summary is not None:
+            out.append((summary, windows(requests, exp.get("window_boundaries", []))))
+    return out
+
+
+def table(paths: list[Path], out_tokens: int = 128) -> str:
     lines = ["| file | streams | requests | latency mean / p50 / p99 ms | TTFT mean ms | busy streams | "
              "client gap p50 / mean / p99 ms |", "|---|---|---|---|---|---|---|"]
+    window_lines = ["| file | streams | window s | requests ended | requests/s | tok/s | busy streams |",
+                    "|---|---|---|---|---|---|---|"]
     for path in paths:
-        for s in read_export(path):
+        for s, wins in read_export(path):
             lines.append(f"| {path.name} | {s.concurrency} | {s.requests} | {s.latency_mean_ms:.1f} / "
                          f"{s.latency_p50_ms:.1f} / {s.latency_p99_ms:.1f} | {s.ttft_mean_ms:.2f} | "
                          f"{s.busy_streams:.2f} | {s.gap_p50_ms:.2f} / {s.gap_mean_ms:.2f} / {s.gap_p99_ms:.2f} |")
-    return "\n".join(lines)
+            for w in wins:
+                rate = w.requests / (w.end_s - w.start_s)
+                window_lines.append(f"| {path.name} | {s.concurrency} | {w.start_s:.2f}-{w.end_s:.2f} | {w.requests} | "
+                                    f"{rate:.1f} | {rate * out_tokens:.0f} | {w.busy_streams:.2f} |")
+    return "\n".join(lines + [""] + window_lines)
 
 
 if __name__ == "__main__":
-    print(table([Path(p) for p in sys.argv[1:]]))
+    args = sys.argv[1:]
+    tokens = 128
+    if args[:1] == ["--out-tokens"]:
+        tokens, args = int(args[1]), args[2:]
+    print(table([Path(p) for p in args], tokens))
