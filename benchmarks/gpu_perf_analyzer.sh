@@ -5,7 +5,8 @@
 #   source .gpu-bundle/setup.sh && bash benchmarks/gpu_perf_analyzer.sh MODEL_DIR|SHAPE [EXTRA serve args ...]
 #   e.g.  bash benchmarks/gpu_perf_analyzer.sh smollm2-135m        (random weights, SmolLM2's tokenizer)
 #         bash benchmarks/gpu_perf_analyzer.sh llama-3.2-1b
-#   CONCURRENCY="1 16 64 128" SSE_CONCURRENCY="16 64" OUT_TOKENS=128 MAX_RUNNING=128 PA_MS=6000 PA_MS_1= PA_TRIALS=10 PA_STABILITY=10 SSE_S=10 ...
+#   CONCURRENCY="1 16 64 128" SSE_CONCURRENCY="16 64" OUT_TOKENS=128 MAX_RUNNING=128 PA_MS=6000 PA_MS_1=
+#   PA_TRIALS=10 PA_STABILITY=10 SSE_S=10 ...
 #   TARGETS="ensemble freetoken" (which perf_analyzer targets run)
 #   STREAM1=N: then N requests one after another on one gRPC stream, timed by the client beside the
 #   `freetoken` model's own TTFT/TPOT (benchmarks/pa_summary.py stream1): where one stream's time goes;
@@ -120,9 +121,11 @@ for target in ${TARGETS:-ensemble freetoken}; do
     if [ -n "${PYSPY_OUT:-}" ] && [ "$target" = ensemble ] && [ "$c" = "${PYSPY_AT:-64}" ]; then
       mkdir -p "$PYSPY_OUT"; profile & fi
     [ -z "${CPU_USAGE:-}" ] || python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-a.json"
-    timeout 120 "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
+    # up to PA_TRIALS windows of ~1.2x the interval each, plus the start and the ramp
+    timeout $(( $(pa_ms_at "$c") * ${PA_TRIALS:-10} * 3 / 2000 + 60 )) "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
-      --measurement-interval "$(pa_ms_at "$c")" --stability-percentage "${PA_STABILITY:-10}" --max-trials "${PA_TRIALS:-10}" --percentile 50 \
+      --measurement-interval "$(pa_ms_at "$c")" --stability-percentage "${PA_STABILITY:-10}" \
+      --max-trials "${PA_TRIALS:-10}" --percentile 50 \
       -f "$work/$target-$c.csv" --verbose-csv ${PA_EXPORT:+--profile-export-file "$PA_EXPORT/$target-$c.json"} \
       > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
     if [ -n "${CPU_USAGE:-}" ]; then
