@@ -40,6 +40,7 @@ sse_conc=${SSE_CONCURRENCY-"16 64"}  # set but empty: no SSE rows
 out_tokens=${OUT_TOKENS:-128}
 max_running=${MAX_RUNNING:-128}
 pa_ms=${PA_MS:-6000}
+pa_trials=${PA_TRIALS:-10}
 # PA_STABILITY: perf_analyzer's --stability-percentage (its default, 10): the reported row is the mean of the last 3
 # windows, which must agree within it. perf_analyzer starts its streams a few at a time (~5 every 150 ms at 16
 # streams: benchmarks/pa_export.py), so its first window runs below the asked concurrency; at 50 (the setting here
@@ -122,10 +123,11 @@ for target in ${TARGETS:-ensemble freetoken}; do
       mkdir -p "$PYSPY_OUT"; profile & fi
     [ -z "${CPU_USAGE:-}" ] || python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-a.json"
     # up to PA_TRIALS windows of ~1.2x the interval each, plus the start and the ramp
-    timeout $(( $(pa_ms_at "$c") * ${PA_TRIALS:-10} * 3 / 2000 + 60 )) "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
+    pa_timeout=$(( $(pa_ms_at "$c") * pa_trials * 3 / 2000 + 60 ))
+    timeout "$pa_timeout" "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
       --measurement-interval "$(pa_ms_at "$c")" --stability-percentage "${PA_STABILITY:-10}" \
-      --max-trials "${PA_TRIALS:-10}" --percentile 50 \
+      --max-trials "$pa_trials" --percentile 50 \
       -f "$work/$target-$c.csv" --verbose-csv ${PA_EXPORT:+--profile-export-file "$PA_EXPORT/$target-$c.json"} \
       > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
     if [ -n "${CPU_USAGE:-}" ]; then

@@ -51,10 +51,15 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
+def _spans(requests: list[dict]) -> list[tuple[int, int, int]]:
+    """(send, first response, last response) of each request that got a response, in send order (ns)."""
+    return sorted((r["timestamp"], r["response_timestamps"][0], r["response_timestamps"][-1])
+                  for r in requests if r.get("response_timestamps"))
+
+
 def summarize(concurrency: int, requests: list[dict]) -> LoopSummary | None:
     """One experiment's requests (those with at least one response)."""
-    spans = sorted((r["timestamp"], r["response_timestamps"][0], r["response_timestamps"][-1])
-                   for r in requests if r.get("response_timestamps"))
+    spans = _spans(requests)
     if len(spans) <= concurrency:
         return None
     ms = 1e-6  # the timestamps are ns
@@ -77,11 +82,11 @@ class Window:
 
 
 def windows(requests: list[dict], boundaries: list[int]) -> list[Window]:
-    spans = [(r["timestamp"], r["response_timestamps"][-1]) for r in requests if r.get("response_timestamps")]
+    spans = _spans(requests)
     out = []
     for a, b in zip(boundaries, boundaries[1:]):
-        done = sum(1 for _, end in spans if a <= end < b)
-        busy = sum(max(0, min(end, b) - max(send, a)) for send, end in spans) / (b - a)
+        done = sum(1 for _, _, end in spans if a <= end < b)
+        busy = sum(max(0, min(end, b) - max(send, a)) for send, _, end in spans) / (b - a)
         out.append(Window((a - boundaries[0]) * 1e-9, (b - boundaries[0]) * 1e-9, done, busy))
     return out
 

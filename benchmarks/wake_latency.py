@@ -122,66 +122,71 @@ def _drain(conn, spin: bool) -> None:
             return
 
 
+def _step_item() -> tuple:
+    """One step's message for one instance, as EngineServer sends it."""
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.engine_server import encode
+
+    return ("msgs", [encode(DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7))])
+
+
+def _start_drains(count: int, spin: bool) -> tuple[list, list]:
+    """COUNT pipes, each read by a process of its own (blocked in poll, or spinning); their write ends once the
+    readers are up."""
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(count)]
+    procs = [ctx.Process(target=_drain, args=(r, spin)) for r, _ in pipes]
+    for p in procs:
+        p.start()
+    writers = []
+    for r, w in pipes:
+        r.close()
+        w.send(_step_item())
+        writers.append(w)
+    time.sleep(0.5)  # the readers are up
+    return writers, procs
+
+
+def _stop_drains(writers: list, procs: list) -> None:
+    for w in writers:
+        w.send(None)
+        w.close()
+    for p in procs:
+        p.join()
+
+
 def message_cost(n: int, gap: float, spin: bool) -> tuple[float, float]:
     """(encode + pickle, encode + pickle + Connection.send) per message, messages GAP apart, the reader
     blocked in poll (as the stub's engine thread is between steps) or spinning."""
     import pickle
 
-    from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.engine_server import encode
-
-    ctx = mp.get_context("spawn")
-    r, w = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_drain, args=(r, spin))
-    p.start()
-    r.close()
-    msg = DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7)
-    w.send(("msgs", [encode(msg)]))
-    time.sleep(0.5)  # the reader is up
+    (w,), procs = _start_drains(1, spin)
     pickled, sent = [], []
     for _ in range(n):
         time.sleep(gap)
         t0 = time.perf_counter()
-        pickle.dumps(("msgs", [encode(msg)]))
+        pickle.dumps(_step_item())
         t1 = time.perf_counter()
-        w.send(("msgs", [encode(msg)]))
+        w.send(_step_item())
         t2 = time.perf_counter()
         pickled.append(t1 - t0)
         sent.append(t2 - t1 + (t1 - t0))
-    w.send(None)
-    w.close()
-    p.join()
+    _stop_drains([w], procs)
     return statistics.median(pickled), statistics.median(sent)
 
 
 def step_send_cost(n: int, gap: float, instances: int) -> float:
     """The engine main thread's time to send one step's messages to INSTANCES pipes (one message each, as
     EngineServer._send does), steps GAP apart, the readers blocked in poll. Median seconds a step."""
-    from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.engine_server import encode
-
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe(duplex=False) for _ in range(instances)]
-    procs = [ctx.Process(target=_drain, args=(r, False)) for r, _ in pipes]
-    for p in procs:
-        p.start()
-    for r, _ in pipes:
-        r.close()
-    msg = DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7)
-    for _, w in pipes:
-        w.send(("msgs", [encode(msg)]))
-    time.sleep(0.5)  # the readers are up
+    writers, procs = _start_drains(instances, spin=False)
     costs = []
     for _ in range(n):
         time.sleep(gap)
         t0 = time.perf_counter()
-        for _, w in pipes:
-            w.send(("msgs", [encode(msg)]))
+        for w in writers:
+            w.send(_step_item())
         costs.append(time.perf_counter() - t0)
-    for _, w in pipes:
-        w.send(None)
-    for p in procs:
-        p.join()
+    _stop_drains(writers, procs)
     return statistics.median(costs)
 
 
