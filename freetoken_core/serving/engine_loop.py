@@ -186,10 +186,14 @@ class EngineLoop:
                         self._on_message(msg, out, now)
                     if out:
                         self._post(out)
+                    self.metrics.after_step()  # its IPC now, once the step's tokens are with the sender
+                idle_timed_out = False
             else:
-                self._wake.wait(self.opt.idle_wait_s)
+                idle_timed_out = not self._wake.wait(self.opt.idle_wait_s)
                 self._wake.clear()
-            if now - last_metrics >= self.opt.metrics_interval_s or not self._active:
+            # on the timer, and once nothing came for idle_wait_s (the gauges then show the engine idle): not
+            # the moment a request ends, when its last response and the next request are on their way
+            if now - last_metrics >= self.opt.metrics_interval_s or (idle_timed_out and not self._active):
                 self._push_metrics()
                 last_metrics = now
         self._fail_all("the server is shutting down")

@@ -21,7 +21,8 @@ ENV_PREFIX = "FREETOKEN_"
 SERVING_DEFAULTS: dict[str, str] = {
     # How often the engine thread asks Triton whether clients cancelled: each ask is an IPC round trip.
     "cancel_check_interval_ms": "200",
-    # How often gauges/counters are pushed to Triton's metrics (also IPC); histograms go per request.
+    # How often gauges/counters are pushed to Triton's metrics (also IPC); histograms go after each step's
+    # responses (serving/metrics.py).
     "metrics_interval_ms": "500",
     # Ceiling on max_tokens per request (0 = only the context length limits it).
     "max_tokens_limit": "0",
