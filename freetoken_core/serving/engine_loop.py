@@ -69,8 +69,9 @@ class ActiveRequest:
     handle: Any
     parsed: ParsedRequest
     uid: int
-    t_arrival: float
-    t_first: float | None = None
+    t_arrival: float  # execute() handed it over
+    t_first: float | None = None  # the engine thread had its first token
+    t_admitted: float = 0.0  # the engine thread took it from the inbox (its wake-up after execute())
     window: DetokWindow | None = None  # where the detokenizer's context starts (streaming only)
     output_ids: list[int] = field(default_factory=list)
     # non-streaming requests: everything is sent once, at the end
@@ -230,6 +231,7 @@ class EngineLoop:
             if self.dead is not None:
                 self.reject(handle, self.dead)
                 continue
+            t_admitted = time.perf_counter()
             try:
                 uid = self.sched.add_request(parsed.input_ids, parsed.params)
             except ValueError as e:
@@ -242,7 +244,7 @@ class EngineLoop:
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
             key = self._cancel_channel.register(uid) if parsed.return_cancel_key else ""
             self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window, cancel_key=key,
-                                              last_probe=t_arrival)
+                                              last_probe=t_arrival, t_admitted=t_admitted)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
 
     def _abort_gone(self) -> None:

@@ -16,8 +16,9 @@ sender gives each acked stream a slot of the order table and numbers all its res
 too, so a stream may have max_inflight in flight and its last response never waits for an ack.
 
 Every REPORT_INTERVAL_S while it sends, the thread logs its rate and where a response's time goes
-(`send()` itself, the ack round trip through the ensemble), so a served benchmark shows which part of
-the served path sets the pace.
+(`send()` itself, the ack round trip through the ensemble, and a stream's first response split into the
+engine thread's wake-up, the engine's time to the first token and the hand-off to this thread), so a served
+benchmark shows which part of the served path sets the pace.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class SenderReport:
     tokens: int = 0
     send_s: list[float] = field(default_factory=list)  # each transport.send()
     ack_rtt_s: list[float] = field(default_factory=list)  # a streamed response's send -> its ack
+    # a stream's first response: (execute() -> engine thread, engine thread -> its first token, that token ->
+    # this thread builds the response), where a request's time to its first token goes inside this model
+    first_s: list[tuple[float, float, float]] = field(default_factory=list)
 
     def line(self, now: float) -> str:
         dt = max(now - self.t0, 1e-9)
@@ -77,6 +81,11 @@ class SenderReport:
         if rtt:
             text += (f", detokenizer ack round trip p50/p99 {1e3 * percentile(rtt, 0.5):.1f}/"
                      f"{1e3 * percentile(rtt, 0.99):.1f} ms")
+        if self.first_s:
+            wake, engine, to_sender = (sorted(part) for part in zip(*self.first_s))
+            text += (f", first response p50: engine thread woken {1e6 * percentile(wake, 0.5):.0f} us, first token "
+                     f"{1e3 * percentile(engine, 0.5):.2f} ms later, at the sender {1e6 * percentile(to_sender, 0.5):.0f}"
+                     f" us after that")
         return text
 
 
@@ -308,6 +317,8 @@ class ResponseSender:
                 st.unacked[st.seq] = now
                 self._acked_streams[uid] = st
             st.seq += 1
+        if not st.streamed and st.t_first is not None:
+            self._report.first_s.append((st.t_admitted - st.t_arrival, st.t_first - st.t_admitted, now - st.t_first))
         context = st.output_ids[st.window.start():]
         outputs = st.outputs(last, tokens, logprobs, context, "", now, ack)
         st.output_ids.extend(tokens)
