@@ -97,14 +97,10 @@ class TritonMetrics(EngineMetrics):
             self._pending_finished[reason] = self._pending_finished.get(reason, 0) + 1
 
     def after_step(self) -> None:
-        if self._pending_ttft:
-            for seconds in self._pending_ttft:
-                self.ttft.observe(seconds)
-            self._pending_ttft.clear()
-        if self._pending_tpot:
-            for seconds in self._pending_tpot:
-                self.tpot.observe(seconds)
-            self._pending_tpot.clear()
+        for histogram, pending in ((self.ttft, self._pending_ttft), (self.tpot, self._pending_tpot)):
+            for seconds in pending:
+                histogram.observe(seconds)
+            pending.clear()
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         # counters are flushed here, on the gauge timer, to keep IPC per step at zero

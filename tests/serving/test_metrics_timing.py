@@ -83,8 +83,7 @@ def test_updates_wait_for_their_flush_and_finishes_add_up():
 
 
 class RecordingTransport:
-    def __init__(self, pb: FakePbUtils) -> None:
-        self.pb = pb
+    def __init__(self) -> None:
         self.done = threading.Event()
 
     def send(self, handle, outputs, error, final) -> None:
@@ -102,7 +101,7 @@ def llm(smollm2_path):
 
 def test_no_metric_update_between_a_token_and_its_response(llm):
     pb = FakePbUtils()
-    transport = RecordingTransport(pb)
+    transport = RecordingTransport()
     loop = EngineLoop(llm.scheduler, transport, LoopOptions(metrics_interval_s=60.0, idle_wait_s=0.05),
                       TritonMetrics(pb, {"model": "freetoken"}))
     post = loop.sender.post
