@@ -7,7 +7,7 @@
 # A SETTING is environment assignments for the server (FREETOKEN_<PARAM>=V overrides a serving parameter), e.g.
 #   bash benchmarks/gpu_served_ab.sh smollm2-135m \
 #     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
-# An empty SETTING ("") is the defaults. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (10) as in
+# An empty SETTING ("") is the defaults. PA_EXPORT=DIR: each setting's exports go to DIR/1, DIR/2, ... in order. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (10) as in
 # gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
 # (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
@@ -30,8 +30,12 @@ inprocess() {
 [ "${INPROCESS:-1}" = 0 ] || inprocess
 IFS=';' read -ra runs <<< "$settings"
 [ ${#runs[@]} -gt 0 ] || runs=("")
+export_base=${PA_EXPORT:-}
+n=0
 for setting in "${runs[@]}"; do
   echo "=== served $shape [${setting:-defaults}]"
+  # PA_EXPORT: one folder per setting (perf_analyzer refuses to overwrite an export file)
+  n=$((n + 1)); [ -z "$export_base" ] || export PA_EXPORT=$export_base/$n
   # the sender's last lines (its rate, send() cost, ack round trip) and the table
   env $setting bash "$repo/benchmarks/gpu_perf_analyzer.sh" "$shape" 2>&1 | tail -${TAIL:-12}
 done

@@ -1,6 +1,7 @@
 """Where a closed loop's slots go: perf_analyzer's per-request timestamps (--profile-export-file) summarized.
 
     python benchmarks/pa_export.py [--out-tokens 128] FILE.json [FILE.json ...]   # gpu_perf_analyzer.sh PA_EXPORT=DIR
+    python benchmarks/pa_export.py --arrivals [--out-tokens 128] FILE.json ...     # when each token reached the client
 
 Why (issue 13): perf_analyzer at concurrency C keeps C requests outstanding, so by Little's law requests/s x mean
 latency should be C. On the H200 host the Llama-3.2-1B shape read 94.2 requests/s x 159.6 ms (p50) = 15.0 at 16
@@ -119,9 +120,58 @@ def table(paths: list[Path], out_tokens: int = 128) -> str:
     return "\n".join(lines + [""] + window_lines)
 
 
+ARRIVAL_TOKENS = (1, 2, 4, 16, 64, 120, 126, 127, 128)
+
+
+def _tokens_in(output: dict) -> int:
+    """Tokens a streamed response brought: its next_tokens (a list, or one value), else one."""
+    tokens = output.get("next_tokens", 0) if isinstance(output, dict) else 0
+    return len(tokens) if isinstance(tokens, list) else 1
+
+
+def token_arrivals(requests: list[dict], out_tokens: int) -> dict[int, float]:
+    """The median time (ms from its send) at which a request's k-th token reached the client, for each k of
+    ARRIVAL_TOKENS up to out_tokens, over the requests that got all out_tokens. Token k arrives with the response
+    that carries it, so the medians show where one stream's time goes: the first token (the front), the slope
+    from token 16 to 120 (the engine's pace as delivered), the last gap (the last response)."""
+    per_k: dict[int, list[float]] = {k: [] for k in ARRIVAL_TOKENS if k <= out_tokens}
+    for req in requests:
+        stamps = req.get("response_timestamps") or []
+        outputs = req.get("response_outputs") or [{}] * len(stamps)
+        arrival, count = {}, 0
+        for t, output in zip(stamps, outputs):
+            n = _tokens_in(output)
+            for k in range(count + 1, count + n + 1):
+                arrival[k] = (t - req["timestamp"]) / 1e6
+            count += n
+        if count >= out_tokens:
+            for k, values in per_k.items():
+                values.append(arrival[k])
+    return {k: statistics.median(v) for k, v in per_k.items() if v}
+
+
+def arrivals_table(paths: list[Path], out_tokens: int = 128) -> str:
+    ks = [k for k in ARRIVAL_TOKENS if k <= out_tokens]
+    lines = ["| file | streams | " + " | ".join(f"token {k} ms" for k in ks) + " | ms a token, 16 -> 120 | last gap ms |",
+             "|---|---|" + "---|" * (len(ks) + 2)]
+    for path in paths:
+        for exp in json.loads(path.read_text()).get("experiments", []):
+            med = token_arrivals(exp.get("requests", []), out_tokens)
+            if len(med) < len(ks):
+                continue
+            slope = (med[120] - med[16]) / 104 if 120 in med and 16 in med else float("nan")
+            gap = med[out_tokens] - med[out_tokens - 1] if out_tokens - 1 in med else float("nan")
+            lines.append(f"| {path.parent.name}/{path.name} | {exp['experiment']['value']} | " + " | ".join(f"{med[k]:.2f}" for k in ks)
+                         + f" | {slope:.4f} | {gap:.3f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     tokens = 128
+    arrivals = False
+    if args[:1] == ["--arrivals"]:  # when each token reached the client (token_arrivals), instead of the tables
+        arrivals, args = True, args[1:]
     if args[:1] == ["--out-tokens"]:
         tokens, args = int(args[1]), args[2:]
-    print(table([Path(p) for p in args], tokens))
+    print((arrivals_table if arrivals else table)([Path(p) for p in args], tokens))

@@ -279,7 +279,8 @@ def trace_timeline(path: Path) -> str:
         if rec["parent"]:
             children.setdefault(rec["parent"], []).append(rec)
     offsets: dict[tuple[str, str], list[float]] = {}
-    roots = [(i, r) for i, r in records.items() if r["model"] == "ensemble" and r["ts"]]
+    # the ensemble requests: the traces without a parent (any ensemble's name: served_floor.py calls its own "floor")
+    roots = [(i, r) for i, r in records.items() if r["model"] and not r["parent"] and r["ts"]]
     for rid, root in roots:
         # from the request's arrival (a stream's GRPC_WAITREAD_START is when the server began waiting for it)
         t0 = min(root["ts"].get("GRPC_WAITREAD_END") or root["ts"].get("REQUEST_START") or

@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=100, help="requests of the tritonclient loop")
     p.add_argument("--client", choices=("auto", "perf_analyzer", "python"), default="auto")
     p.add_argument("--export", type=Path, default=None, help="where perf_analyzer's export goes (default: a temp dir)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="also write a Triton trace of every request (TIMESTAMPS) there, and print its timeline "
+                        "(benchmarks/pa_summary.py trace), to set beside the real ensemble's (gpu_perf_analyzer.sh TRACE)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from freetoken_core.serving.launcher import spawn_tritonserver, wait_ready
@@ -283,7 +286,10 @@ def main(argv: list[str] | None = None) -> None:
     export = args.export or work
     export.mkdir(parents=True, exist_ok=True)
     repo = write_repository(work / "repo", args.ttft_ms, args.step_ms)
-    handle = spawn_tritonserver(repo, log_path=work / "server.log")
+    trace_args = [] if args.trace is None else [
+        f"--trace-config=triton,file={args.trace}", "--trace-config=triton,log-frequency=20",
+        "--trace-config=level=TIMESTAMPS", "--trace-config=rate=1"]
+    handle = spawn_tritonserver(repo, log_path=work / "server.log", extra_args=trace_args)
     try:
         wait_ready(handle, 300, models=MODELS)
         if client == "perf_analyzer":
@@ -297,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
     print(summary(rows, args.ttft_ms, args.step_ms, args.out_tokens))
     late = [line for line in (work / "server.log").read_text().splitlines() if "floor_engine: sends late" in line]
     print("\n".join(late[-3:]))
+    if args.trace is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from pa_summary import trace_timeline
+
+        print(trace_timeline(args.trace))
     shutil.rmtree(work / "repo", ignore_errors=True)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import threading
 import time
 from multiprocessing.connection import Client
 from types import SimpleNamespace
@@ -71,6 +72,7 @@ class EngineClient:
         self.ring_poll_s = ring_poll_s
         self._ring: MsgRing | None = None  # the step messages' ring, when the engine made one for this instance
         self._uids = 0
+        self._lock = threading.Lock()  # add_request's thread and the engine thread: uids, the command pipe, _early
         self._outstanding: set[int] = set()  # submitted, final message not seen yet
         self._dead: str | None = None  # why the child can run no more steps
         self._stopped: str | None = None  # the owner stopped the shared engine (a member's view)
@@ -152,20 +154,27 @@ class EngineClient:
         return f"the engine process exited (code {self._proc.exitcode}) {when}"
 
     # --- the Scheduler's interface -----------------------------------------------------------
+    # add_request may come from another thread than the rest (serving/engine_loop.py: execute()'s, so that a
+    # request goes to the engine without waiting for the engine thread's wake-up); the rest is one thread's
+    remote = True
+
     def add_request(self, input_ids: list[int], params: SamplingParams | None = None) -> int:
-        uid = (self._uids << self._uid_shift) | self._index
-        self._uids += 1
-        if self._stopped is not None:
-            self._early.append(DetokenizeMsg.failed(uid, self._stopped))
-            return uid
-        self._outstanding.add(uid)
-        self._command(("add", uid, list(input_ids), params or SamplingParams()))
+        cmd_params = params or SamplingParams()
+        with self._lock:
+            uid = (self._uids << self._uid_shift) | self._index
+            self._uids += 1
+            if self._stopped is not None:
+                self._early.append(DetokenizeMsg.failed(uid, self._stopped))
+                return uid
+            self._outstanding.add(uid)
+            self._command(("add", uid, list(input_ids), cmd_params))
         return uid
 
     def abort(self, uid: int) -> bool:
         if uid not in self._outstanding:
             return False
-        self._command(("abort", uid))
+        with self._lock:
+            self._command(("abort", uid))
         return True
 
     def has_work(self) -> bool:
@@ -198,7 +207,8 @@ class EngineClient:
 
     def step(self) -> list[DetokenizeMsg]:
         """The messages the child produced since the last call; waits up to step_wait_s for some."""
-        msgs, self._early = self._early, []
+        with self._lock:  # (add_request appends there from another thread once the shared engine stopped)
+            msgs, self._early = self._early, []
         if self._dead is None and self._stopped is None and not msgs:
             msgs = self._receive(self.step_wait_s)
         if self._dead is not None and not msgs:
@@ -266,16 +276,17 @@ class EngineClient:
     def close(self, timeout: float = 30.0) -> None:
         """Stop the child (it finishes its step, closes tensor-parallel ranks) and wait for it; a member
         only leaves (the engine aborts its requests)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:  # no add_request's command after this one
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._cmd_w.send(("stop",) if self._proc is not None else ("bye",))
+            except (OSError, ValueError):
+                pass
         if self._ring is not None:  # the step messages still in it are for requests nobody waits for now
             self._ring.close()
             self._ring = None
-        try:
-            self._cmd_w.send(("stop",) if self._proc is not None else ("bye",))
-        except (OSError, ValueError):
-            pass
         if self._proc is None:
             self._cmd_w.close()
             return

@@ -45,6 +45,18 @@ def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=8)
 
 
+def assert_streams_exact(transport: "RecordingTransport", expected, tokenizer) -> None:
+    """Each stream h{i} got exactly expected[i]'s tokens in order, its text exact, one FINAL flag, on its last response."""
+    for i, exp in enumerate(expected):
+        responses = transport.sent[f"h{i}"]
+        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
+        assert [int(t) for out, _, _ in responses for t in tokens_of(out)] == exp.token_ids
+        text = "".join(
+            detokenize_response(tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
+        )
+        assert text == exp.text
+
+
 def stream_through_loop(llm, prompts, params, transport: RecordingTransport, options: LoopOptions) -> RecordingTransport:
     """Stream every prompt through an EngineLoop on llm's scheduler; returns the transport."""
     transport.expected = len(prompts)
@@ -289,11 +301,4 @@ def test_send_workers_keep_each_stream_in_order_with_one_final(llm):
     expected = llm.generate(prompts, params)
     transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=4))
     assert transport.most_in_flight > 1 and len(transport.threads) > 1  # the workers did overlap
-    for i, exp in enumerate(expected):
-        responses = transport.sent[f"h{i}"]
-        assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
-        assert [int(t) for out, _, _ in responses for t in tokens_of(out)] == exp.token_ids
-        text = "".join(
-            detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8") for out, _, _ in responses
-        )
-        assert text == exp.text
+    assert_streams_exact(transport, expected, llm.tokenizer)
