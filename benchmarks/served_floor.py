@@ -37,13 +37,17 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+EXTRA = 0  # write_repository(extra=): more small tensors at each hop
+
+
 class TritonPythonModel:
     def execute(self, requests):
         out = []
         for r in requests:
             text = pb_utils.get_input_tensor_by_name(r, "text_input").as_numpy().reshape(-1)[0]
             ids = np.frombuffer(text if isinstance(text, bytes) else text.encode(), dtype=np.uint8).astype(np.int32)
-            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids)]))
+            extra = [pb_utils.Tensor(f"extra_{i}", np.array([i], np.int32)) for i in range(EXTRA)]
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids)] + extra))
         return out
 '''
 
@@ -55,6 +59,9 @@ import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+
+EXTRA = 0  # write_repository(extra=): more small tensors at each hop
 
 
 def wait_until(deadline):
@@ -80,6 +87,8 @@ class TritonPythonModel:
         now = time.perf_counter()
         for r in requests:
             n = int(pb_utils.get_input_tensor_by_name(r, "max_tokens").as_numpy().reshape(-1)[0])
+            for i in range(EXTRA):
+                pb_utils.get_input_tensor_by_name(r, f"extra_{i}").as_numpy()
             self.inbox.put((r.get_response_sender(), max(n, 1), now))
         return None
 
@@ -125,13 +134,17 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+EXTRA = 0  # write_repository(extra=): more small tensors at each hop
+
+
 class TritonPythonModel:
     def execute(self, requests):
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         for r in requests:
             n = pb_utils.get_input_tensor_by_name(r, "next_tokens").as_numpy().size
             text = np.array([b" tok" * n], dtype=np.object_)
-            r.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)]),
+            extra = [pb_utils.Tensor(f"extra_out_{i}", np.array([n], np.uint32)) for i in range(EXTRA)]
+            r.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text)] + extra),
                                          flags=final)
         return None
 '''
@@ -144,12 +157,12 @@ def _config(name: str, body: str) -> str:
 CONFIGS = {
     "floor_tokenizer": '''backend: "python"
 input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
-output [ { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] }TOK_OUT ]
 instance_group [ { count: 1 kind: KIND_CPU } ]''',
     "floor_engine": '''backend: "python"
 model_transaction_policy { decoupled: true }
 input [ { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] },
-        { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }ENG_IN ]
 output [ { name: "next_tokens" data_type: TYPE_INT32 dims: [ -1 ] } ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
 parameters { key: "ttft_ms" value: { string_value: "TTFT" } }
@@ -157,37 +170,58 @@ parameters { key: "step_ms" value: { string_value: "STEP" } }''',
     "floor_detokenizer": '''backend: "python"
 model_transaction_policy { decoupled: true }
 input [ { name: "next_tokens" data_type: TYPE_INT32 dims: [ -1 ] } ]
-output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }DET_OUT ]
 instance_group [ { count: 1 kind: KIND_CPU } ]''',
     "floor": '''platform: "ensemble"
 input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
         { name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }DET_OUT ]
 ensemble_scheduling {
   step [
     { model_name: "floor_tokenizer" model_version: -1
       input_map { key: "text_input" value: "text_input" }
-      output_map { key: "input_ids" value: "_input_ids" } },
+      output_map { key: "input_ids" value: "_input_ids" }TOK_MAP },
     { model_name: "floor_engine" model_version: -1
       input_map { key: "input_ids" value: "_input_ids" }
-      input_map { key: "max_tokens" value: "max_tokens" }
+      input_map { key: "max_tokens" value: "max_tokens" }ENG_MAP
       output_map { key: "next_tokens" value: "_next_tokens" } },
     { model_name: "floor_detokenizer" model_version: -1
       input_map { key: "next_tokens" value: "_next_tokens" }
-      output_map { key: "text_output" value: "text_output" } }
+      output_map { key: "text_output" value: "text_output" }DET_MAP }
   ]
 }''',
 }
 SOURCES = {"floor_tokenizer": TOKENIZER, "floor_engine": ENGINE, "floor_detokenizer": DETOKENIZER}
 
 
-def write_repository(dest: Path, ttft_ms: float, step_ms: float) -> Path:
+def _extra_tensors(extra: int) -> dict[str, str]:
+    """The config text of `extra` more small tensors at each hop: tokenizer outputs that the engine reads, and
+    detokenizer outputs that the ensemble answers with (ours carries 3, ~6 and 4 more than this floor)."""
+    def each(fmt: str) -> str:
+        return "".join(fmt.format(i=i) for i in range(extra))
+
+    return {
+        "TOK_OUT": each(',\n        {{ name: "extra_{i}" data_type: TYPE_INT32 dims: [ 1 ] }}'),
+        "ENG_IN": each(',\n        {{ name: "extra_{i}" data_type: TYPE_INT32 dims: [ 1 ] optional: true }}'),
+        "DET_OUT": each(',\n        {{ name: "extra_out_{i}" data_type: TYPE_UINT32 dims: [ 1 ] }}'),
+        "TOK_MAP": each('\n      output_map {{ key: "extra_{i}" value: "_extra_{i}" }}'),
+        "ENG_MAP": each('\n      input_map {{ key: "extra_{i}" value: "_extra_{i}" }}'),
+        "DET_MAP": each('\n      output_map {{ key: "extra_out_{i}" value: "extra_out_{i}" }}'),
+    }
+
+
+def write_repository(dest: Path, ttft_ms: float, step_ms: float, extra: int = 0) -> Path:
+    """The floor's repository; `extra` > 0: that many more small tensors at each hop (what a tensor costs)."""
+    marks = _extra_tensors(extra)
     for name in MODELS:
         (dest / name / "1").mkdir(parents=True, exist_ok=True)
         body = CONFIGS[name].replace("TTFT", f"{ttft_ms:g}").replace("STEP", f"{step_ms:g}")
+        for mark, text in marks.items():
+            body = body.replace(mark, text)
         (dest / name / "config.pbtxt").write_text(_config(name, body))
         if name in SOURCES:
-            (dest / name / "1" / "model.py").write_text(SOURCES[name].lstrip())
+            source = SOURCES[name].lstrip().replace("EXTRA = 0  #", f"EXTRA = {extra}  #")
+            (dest / name / "1" / "model.py").write_text(source)
     return dest
 
 
@@ -274,6 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=100, help="requests of the tritonclient loop")
     p.add_argument("--client", choices=("auto", "perf_analyzer", "python"), default="auto")
     p.add_argument("--export", type=Path, default=None, help="where perf_analyzer's export goes (default: a temp dir)")
+    p.add_argument("--extra-tensors", type=int, default=0,
+                   help="this many more small tensors at each hop (tokenizer -> engine, detokenizer -> client): what "
+                        "a tensor costs one stream, against ours, which carries 3-6 more than the floor at each")
     p.add_argument("--trace", type=Path, default=None,
                    help="also write a Triton trace of every request (TIMESTAMPS) there, and print its timeline "
                         "(benchmarks/pa_summary.py trace), to set beside the real ensemble's (gpu_perf_analyzer.sh TRACE)")
@@ -285,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="served-floor-"))
     export = args.export or work
     export.mkdir(parents=True, exist_ok=True)
-    repo = write_repository(work / "repo", args.ttft_ms, args.step_ms)
+    repo = write_repository(work / "repo", args.ttft_ms, args.step_ms, args.extra_tensors)
     trace_args = [] if args.trace is None else [
         f"--trace-config=triton,file={args.trace}", "--trace-config=triton,log-frequency=20",
         "--trace-config=level=TIMESTAMPS", "--trace-config=rate=1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -18,7 +19,14 @@ def input_arrays(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str,
 
 
 def model_tokenizer(args: Mapping[str, Any]) -> Any:
-    """The tokenizer of the model named by the Triton model's `model_path` parameter."""
+    """The tokenizer of the model named by the Triton model's `model_path` parameter.
+
+    The text models encode one short prompt per request (transformers calls the tokenizers library's batch
+    encode for it): with that library's thread pool on, each encode is handed to a pool thread and the caller
+    woken back, two thread wake-ups on a lone request's way (50-110 us each at the median on the H200 host's
+    idle cores, benchmarks/wake_latency.py) for no parallel work. So this process turns the pool off, unless
+    TOKENIZERS_PARALLELISM is set (then it is the deployer's choice)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from freetoken_core.serving.params import resolve_model_path
     from freetoken_core.tokenizer.tokenize import load_tokenizer
 

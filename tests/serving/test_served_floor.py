@@ -22,7 +22,9 @@ def _floor_module():
     return mod
 
 
-def test_floor_streams_one_response_a_token_on_its_schedule(tmp_path):
+@pytest.mark.parametrize("extra", [0, 2])
+def test_floor_streams_one_response_a_token_on_its_schedule(tmp_path, extra):
+    """extra: more small tensors at each hop (--extra-tensors) change nothing the client counts."""
     from freetoken_core.serving.launcher import spawn_tritonserver, wait_ready
     from freetoken_core.serving.tritonserver import find_tritonserver
 
@@ -32,7 +34,7 @@ def test_floor_streams_one_response_a_token_on_its_schedule(tmp_path):
         pytest.skip(f"no tritonserver: {e}")
     floor = _floor_module()
     ttft_ms, step_ms, tokens = 5.0, 2.0, 6
-    repo = floor.write_repository(tmp_path / "repo", ttft_ms, step_ms)
+    repo = floor.write_repository(tmp_path / "repo", ttft_ms, step_ms, extra)
     handle = spawn_tritonserver(repo, log_path=tmp_path / "server.log")
     try:
         wait_ready(handle, 120, models=floor.MODELS)
