@@ -22,6 +22,7 @@ from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.engine_process import EngineClient
 from freetoken_core.serving.request import ParsedRequest
 from freetoken_core.serving.sender import ResponseSender
+from freetoken_core.serving.text_models import order_of
 from tests.serving.test_engine_loop import AckingTransport, assert_streams_exact
 
 
@@ -172,18 +173,19 @@ def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=2)
 
 
-@pytest.mark.parametrize("ack_delay_s", [0.0, 0.3])
-def test_acked_streams_through_the_engine_process_stay_exact(smollm2_path, llm, ack_delay_s):
-    """The served default: the engine process, ensemble streams with acks (one response in flight). With acks at
-    once and late: tokens, text and one FINAL exact, never two responses unacked, and some steps went out on
-    the engine thread."""
+@pytest.mark.parametrize("ack_delay_s,max_inflight,send_order", [(0.0, 1, False), (0.3, 1, False), (0.05, 4, True)])
+def test_acked_streams_through_the_engine_process_stay_exact(smollm2_path, llm, ack_delay_s, max_inflight,
+                                                              send_order):
+    """The served default: the engine process, ensemble streams with acks (one response in flight), with acks at
+    once and late; and with detok_send_order (several in flight, every response numbered). Tokens, text and one
+    FINAL exact, never more responses unacked than allowed, and some steps went out on the engine thread."""
     prompts = ["Write one sentence about cats.", "数到五"]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     expected = llm.generate(prompts, params)
     client = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2))
     transport = AckingTransport(ack_delay_s)
     transport.expected = len(prompts)
-    loop = EngineLoop(client, transport, LoopOptions(max_inflight=1))
+    loop = EngineLoop(client, transport, LoopOptions(max_inflight=max_inflight, send_order=send_order))
     loop.start()  # stop() closes the engine process
     try:
         for i, p in enumerate(prompts):
@@ -192,6 +194,10 @@ def test_acked_streams_through_the_engine_process_stay_exact(smollm2_path, llm, 
         assert transport.done.wait(120)
     finally:
         loop.stop()
-    assert transport.most_unacked == 1
+    assert 1 <= transport.most_unacked <= max_inflight
     assert loop.sender.inline_posts > 0
     assert_streams_exact(transport, expected, llm.tokenizer)
+    if send_order:  # each stream's responses numbered 0, 1, ... the last one included
+        for i in range(len(prompts)):
+            orders = [order_of(out) for out, _, _ in transport.sent[f"h{i}"]]
+            assert [o[3] for o in orders] == list(range(len(orders)))
