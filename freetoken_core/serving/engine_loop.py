@@ -183,6 +183,14 @@ class EngineLoop:
         self._wake.set()
         if self._engine_thread.is_alive():
             self._engine_thread.join(timeout)
+        while True:  # handed over after the engine thread's last look: each still gets its one FINAL
+            try:
+                handle, _, _, added = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(added, int):
+                self.sched.abort(added)
+            self.reject(handle, "the server is shutting down")
         self.sender.stop(timeout)
         self._cancel_channel.close()
         self.sched.close()  # the engine process (engine_process.py) or tensor-parallel workers stop with the model

@@ -201,3 +201,17 @@ def test_acked_streams_through_the_engine_process_stay_exact(smollm2_path, llm, 
         for i in range(len(prompts)):
             orders = [order_of(out) for out, _, _ in transport.sent[f"h{i}"]]
             assert [o[3] for o in orders] == list(range(len(orders)))
+
+
+def test_a_request_handed_over_after_the_engine_thread_stopped_still_gets_its_final():
+    engine = FastRemoteEngine(hold_s=0.0)
+    transport = Recording(expected=1)
+    loop = EngineLoop(engine, transport, LoopOptions())
+    loop.start()
+    loop._stopping.set()  # the engine thread is on its way out (finalize() began)
+    loop._wake.set()
+    loop._engine_thread.join(10)
+    loop.submit("late", ParsedRequest(input_ids=[1, 2, 3], params=SamplingParams(max_tokens=2)))
+    loop.stop()
+    assert [(r[0], r[3]) for r in transport.sent] == [("late", True)]
+    assert "shutting down" in transport.sent[0][2]
