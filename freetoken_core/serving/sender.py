@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.cancel import CancelChannel
+from freetoken_core.serving.report import REPORT_INTERVAL_S, percentile
 from freetoken_core.serving.send_order import SlotAllocator
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ACK_UID_MASK = 0x7FFFFFFF  # uids travel in an int32 (response meta)
-REPORT_INTERVAL_S = 10.0
 RETIRE_GRACE_S = 1.0  # a slot whose stream ended without a last response through the detokenizer
 
 
@@ -52,10 +52,6 @@ class Transport(Protocol):
     def send(self, handle: Any, outputs: dict | None, error: str | None, final: bool) -> None: ...
 
     def is_cancelled(self, handle: Any) -> bool: ...
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))] if sorted_values else 0.0
 
 
 @dataclass

@@ -298,3 +298,47 @@ def test_the_pipe_client_spins_for_a_lone_requests_messages(llm, client, monkeyp
     assert [t for m in out[uid] for t in m.next_tokens] == llm.generate(["Hi"], params)[0].token_ids
     assert bool(looks) == (client.idle_spin_s > 0 and client._ring is None)
     assert all(0 < s <= client.idle_spin_s for s in looks)
+
+
+class CountingScheduler:
+    """Work for `steps` steps, a message for request 0 each, ~1 ms apart; then idle."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> list[DetokenizeMsg]:
+        time.sleep(0.001)
+        self.left -= 1
+        return [DetokenizeMsg(0, [5], finished=self.left == 0)]
+
+    def stats(self):
+        from freetoken_core.messages import EngineStats
+
+        return EngineStats(0, 0, 1, 1, 16)
+
+
+def test_the_engine_process_times_its_back_to_back_steps():
+    """EngineServer's step pace (logged beside the sender's report): one interval per step after the first of a run of
+    back-to-back steps, each at least the step's own time; StepPace's line states them."""
+    import multiprocessing as mp
+
+    from freetoken_core.serving.engine_server import EngineServer, StepPace
+
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    server = EngineServer(CountingScheduler(steps=20), cmd_r, out_w)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    got = 0
+    while got < 20:  # every step's message reaches the owner
+        kind, payload = out_r.recv()
+        got += len(payload) if kind == "msgs" else 0
+    cmd_w.send(("stop",))
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(server.pace.intervals) == 19 and min(server.pace.intervals) >= 0.001
+    line = StepPace(t0=0.0, intervals=[0.0007] * 8 + [0.002, 0.0001]).line(now=10.0)
+    assert line == "engine process: 10 steps back to back in 10 s, p10 / p50 / p90 0.7000 / 0.7000 / 2.0000 ms a step"
