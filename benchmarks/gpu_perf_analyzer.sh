@@ -23,6 +23,10 @@
 #   ENGINE_CPUS=LIST (taskset syntax, e.g. 15 or 14,15): once the server is up, the engine process is pinned to
 #   those CPUs and everything else of the server, and perf_analyzer, to the others (an experiment: does the
 #   engine's thread lose steps to the rest of the served path's CPU work?)
+#   CLIENT_ANY_CPU=1: perf_analyzer and the Python clients may run on any CPU. By default, when serve moved the
+#   engine process onto CPUs of its own (engine_cpus=auto), the clients run off them, as a client on another host would
+#   (twenty-fourth session: a few one-stream requests ran 5-10% slower from start to end, suspected a client thread on
+#   the engine core's other hyperthread; not yet measured either way)
 #   DETOK_NICE=N: once the server is up, the detokenizer stubs run at nice N (another experiment: under a full
 #   host the engine and the `freetoken` stubs win the CPU, and a stream's tokens merge in the detokenizer's queue)
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
@@ -99,6 +103,19 @@ print(','.join(str(c) for c in sorted(os.sched_getaffinity(0) - mine)))" "$ENGIN
   done
   pin=(taskset -c "$rest")
   echo "engine pinned to cpus $ENGINE_CPUS, the rest to $rest"
+elif [ -z "${CLIENT_ANY_CPU:-}" ]; then
+  # serve moved the engine process onto CPUs of its own (engine_cpus=auto): keep the clients off them too, as a
+  # client on another host would be (perf_analyzer's threads on the engine core's idle hyperthread would share it)
+  engine_pid=$(pgrep -f "multiprocessing.spawn" | head -1 || true)
+  if [ -n "$engine_pid" ]; then
+    rest=$(python3 -c "import os, sys
+engine, every = os.sched_getaffinity(int(sys.argv[1])), os.sched_getaffinity(0)
+print(','.join(str(c) for c in sorted(every - engine)) if engine < every else '')" "$engine_pid" 2>/dev/null || true)
+    if [ -n "$rest" ]; then
+      pin=(taskset -c "$rest")
+      echo "clients on cpus $rest (off the engine process's; CLIENT_ANY_CPU=1 lets them anywhere)"
+    fi
+  fi
 fi
 if [ -n "${DETOK_NICE:-}" ]; then
   for pid in $(pgrep -f "detokenizer/1/model.py"); do renice -n "$DETOK_NICE" -p "$pid" > /dev/null; done
@@ -138,7 +155,7 @@ for target in ${TARGETS:-ensemble freetoken}; do
 done
 sse_rows=()
 for c in $sse_conc; do
-  sse_rows+=("$(timeout $((sse_s + 150)) python3 "$repo/benchmarks/pa_summary.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
+  sse_rows+=("$(timeout $((sse_s + 150)) "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
 done
 python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/metrics").read().decode())' \
   | grep -E "^nv_inference_(exec|request_success)_count.*detokenizer|^freetoken_(generation_tokens|request_finished)" | head -12 || true
@@ -155,13 +172,13 @@ fi
 printf '%s\n' "${sse_rows[@]}"
 [ ${#cpu_lines[@]} -eq 0 ] || printf '%s\n' "${cpu_lines[@]}"
 if [ -n "${STREAM1:-}" ]; then
-  timeout 300 python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+  timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
     || echo "stream1 failed"
   if [ -n "${TRACE:-}" ]; then
     python3 -c 'import urllib.request as u; print(u.urlopen(u.Request("http://localhost:8000/v2/trace/setting",
       data=b"{\"trace_level\": [\"TIMESTAMPS\"], \"trace_rate\": \"1\"}", method="POST")).read().decode())'
     echo "traced:"
-    timeout 300 python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+    timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
       || echo "stream1 failed"
     sleep 1
     python3 "$repo/benchmarks/pa_summary.py" trace "$TRACE"
