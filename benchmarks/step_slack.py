@@ -117,7 +117,7 @@ def main() -> int:
         if msgs:
             send_end.send(("msgs", [encode(m) for m in msgs]))
 
-    cases = [(f"busy {x:g} us", (lambda x: lambda msgs: _spin(x))(x)) for x in args.extra_us]
+    cases = [(f"busy {x:g} us", lambda msgs, us=x: _spin(us)) for x in args.extra_us]
     cases.append(("pipe (the engine process's send)", pipe_send))
     print(f"| {args.shape}, {args.out_tokens} tokens, one request at a time | ms a decode step | device wait ms | "
           "host ms outside the wait |\n|---|---|---|---|")

@@ -190,7 +190,8 @@ class EngineServer:
                 self._take_commands(block=not sched.has_work())
                 if self.stopping:
                     break
-                if sched.has_work():
+                stepped = sched.has_work()
+                if stepped:
                     try:
                         msgs = sched.step()
                     except Exception as e:  # noqa: BLE001
@@ -199,13 +200,10 @@ class EngineServer:
                             return
                     if msgs:
                         self._send_msgs(msgs)
-                    now = time.perf_counter()
-                    if stepped_at is not None:
-                        self.pace.intervals.append(now - stepped_at)
-                    stepped_at = now
-                else:
-                    stepped_at = None
-                    now = time.perf_counter()
+                now = time.perf_counter()
+                if stepped and stepped_at is not None:
+                    self.pace.intervals.append(now - stepped_at)
+                stepped_at = now if stepped else None
                 if now - self.pace.t0 >= REPORT_INTERVAL_S:
                     if self.pace.intervals:
                         log.info("%s", self.pace.line(now))
