@@ -36,20 +36,43 @@ INPUT_NAMES = (
 )
 
 
+def detokenizer_decoupled(model_dir: str) -> bool | None:
+    """Whether the ensemble's detokenizer next to this model is decoupled (None: no config there)."""
+    cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
+    if not model_dir or not cfg.is_file():
+        return None
+    return bool(re.search(r"decoupled\s*:\s*true", re.sub(r"#[^\n]*", "", cfg.read_text())))
+
+
 def check_detokenizer_decoupled(model_dir: str) -> None:
     """Probes (nonstream_cancel_probe_ms > 0) are invisible only to a decoupled detokenizer, which can
     complete one with the FINAL flag alone; a plain one would answer each probe, and every client
     would get extra responses. Refuse to start instead."""
-    cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
-    if not cfg.is_file():
-        log.warning("nonstream_cancel_probe_ms is set but %s is missing: make sure the ensemble's "
-                    "detokenizer is decoupled", cfg)
-        return
-    if not re.search(r"decoupled\s*:\s*true", re.sub(r"#[^\n]*", "", cfg.read_text())):
+    decoupled = detokenizer_decoupled(model_dir)
+    if decoupled is None:
+        log.warning("nonstream_cancel_probe_ms is set but %s/detokenizer/config.pbtxt is missing: make sure the "
+                    "ensemble's detokenizer is decoupled", Path(model_dir).parent)
+    elif not decoupled:
+        cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
         raise ValueError(
             f"nonstream_cancel_probe_ms > 0 needs a decoupled detokenizer, but {cfg} is not: add "
             "`model_transaction_policy { decoupled: true }` there (`freetoken-core serve` does) or set "
             "nonstream_cancel_probe_ms to 0")
+
+
+def send_order_enabled(option: float, model_dir: str) -> bool:
+    """detok_send_order as set, except with a plain (not decoupled) detokenizer: that one marks a response
+    sent before execute() returns it, so a later response of the stream could overtake it on another
+    instance; there a stream keeps one response in flight instead (logged, not refused: the option is on
+    by default)."""
+    if not option:
+        return False
+    if detokenizer_decoupled(model_dir) is False:
+        log.warning("detok_send_order is on but the ensemble's detokenizer is not decoupled: each stream keeps one "
+                    "response in flight instead (add `model_transaction_policy { decoupled: true }` to its "
+                    "config.pbtxt, as `freetoken-core serve` does, or set detok_send_order to 0)")
+        return False
+    return True
 
 
 def load_identity(args: dict[str, Any]) -> str:
@@ -155,6 +178,7 @@ class FreetokenModel:
         if probe_ms > 0:
             check_detokenizer_decoupled(args.get("model_repository", ""))
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
+        send_order = send_order_enabled(self.options["detok_send_order"], args.get("model_repository", ""))
         self.loop = EngineLoop(
             self.sched,
             TritonTransport(pb_utils),
@@ -164,9 +188,9 @@ class FreetokenModel:
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
                 max_inflight=max_inflight(self.options["detok_max_inflight"], args.get("model_repository", ""),
-                                          bool(self.options["detok_send_order"])),
+                                          send_order),
                 sender_threads=sender_threads(self.options),
-                send_order=bool(self.options["detok_send_order"]),
+                send_order=send_order,
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,

@@ -45,9 +45,11 @@ SERVING_DEFAULTS: dict[str, str] = {
     "detok_max_inflight": "0",
     # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
-    # stream's last response never waits for an ack. Needs the decoupled detokenizer (the default). Off: on the
-    # H200 no faster at 1 and 16 streams, slower at 64 (benchmarks/RESULTS.md, sixteenth session).
-    "detok_send_order": "0",
+    # stream's last response never waits for an ack. Only with the decoupled detokenizer (the default): with a
+    # plain one it is off (logged). On by default since the twenty-fifth session: on the H200, with the engine
+    # process, one token a response at one stream (1.31-1.35 off), SmolLM2 shape at 16 streams 1.32-1.47 tokens
+    # a response (1.51 off), the same throughput (benchmarks/RESULTS.md); 0: one response of a stream in flight.
+    "detok_send_order": "1",
     # 1: the engine (scheduler, model, sampling) runs in a child process with a GIL of its own, and this
     # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine
     # thread runs in this process beside the sender (one GIL for both: slower at many streams).

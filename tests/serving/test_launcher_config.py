@@ -80,6 +80,25 @@ def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path
     assert serving_options({})["max_nonstream_tokens"] == 4096 and serving_options({})["nonstream_cancel_probe_ms"] == 0
 
 
+def test_send_order_is_on_by_default_and_off_with_a_plain_detokenizer(tmp_path: Path):
+    """detok_send_order (on by default since the twenty-fifth session) needs the decoupled detokenizer, which
+    marks a response sent only after its send(): with a plain one the engine keeps one response of a stream in
+    flight instead of refusing to start."""
+    from freetoken_core.serving.freetoken_model import max_inflight, send_order_enabled
+
+    assert serving_options({})["detok_send_order"] == 1
+    repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
+    model_dir = str(repo / "freetoken")
+    assert get_parameter((repo / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
+    assert send_order_enabled(1, model_dir) and not send_order_enabled(0, model_dir)
+    assert max_inflight(0, model_dir, send_order_enabled(1, model_dir)) == 4
+    assert send_order_enabled(1, "")  # no ensemble next to it: as set
+    cfg_path = repo / "detokenizer" / "config.pbtxt"
+    cfg_path.write_text(cfg_path.read_text().replace("model_transaction_policy { decoupled: true }", ""))
+    assert not send_order_enabled(1, model_dir)
+    assert max_inflight(0, model_dir, send_order_enabled(1, model_dir)) == 1
+
+
 def test_dockerfile_default_base_image_is_a_full_ngc_reference():
     """A plain `docker build .` must resolve the base on NVIDIA's registry (issue 14)."""
     text = (source_repository().parent / "Dockerfile").read_text()
