@@ -27,6 +27,10 @@
 #   engine process onto CPUs of its own (engine_cpus=auto), the clients run off them, as a client on another host would
 #   (twenty-fourth session: a few one-stream requests ran 5-10% slower from start to end, suspected a client thread on
 #   the engine core's other hyperthread; not yet measured either way)
+#   GPU_LOG=1 (with PA_EXPORT): nvidia-smi samples the GPU's SM clock, power and clock event reasons every 100 ms
+#   into PA_EXPORT/gpu.csv while perf_analyzer runs, and the one-stream exports' spells of slow requests are listed
+#   beside them (pa_export.py --slow: twenty-fifth session, 2.5 s of every step ~25% slower in a 29 s one-stream run,
+#   the engine process's own pace too: the GPU's clock or the host?). Off by default: the sampling is a process more.
 #   DETOK_NICE=N: once the server is up, the detokenizer stubs run at nice N (another experiment: under a full
 #   host the engine and the `freetoken` stubs win the CPU, and a stream's tokens merge in the detokenizer's queue)
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
@@ -134,6 +138,14 @@ profile() {  # py-spy every stub process (named by its model) and the engine chi
   done
   wait
 }
+gpu_log_pid=
+if [ -n "${GPU_LOG:-}" ] && [ -n "${PA_EXPORT:-}" ] && command -v nvidia-smi > /dev/null; then
+  reasons=clocks_event_reasons.active  # the older drivers' name: clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  "${pin[@]}" nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,$reasons --format=csv,noheader,nounits -lms 100 \
+    > "$PA_EXPORT/gpu.csv" 2> /dev/null &
+  gpu_log_pid=$!
+fi
 for target in ${TARGETS:-ensemble freetoken}; do
   for c in $conc; do
     if [ -n "${PYSPY_OUT:-}" ] && [ "$target" = ensemble ] && [ "$c" = "${PYSPY_AT:-64}" ]; then
@@ -153,6 +165,7 @@ for target in ${TARGETS:-ensemble freetoken}; do
     fi
   done
 done
+[ -z "$gpu_log_pid" ] || kill "$gpu_log_pid" 2> /dev/null || true
 sse_rows=()
 for c in $sse_conc; do
   sse_rows+=("$(timeout $((sse_s + 150)) "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
@@ -168,6 +181,10 @@ echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
 if [ -n "${PA_EXPORT:-}" ]; then
   echo; python3 "$repo/benchmarks/pa_export.py" --out-tokens "$out_tokens" "$PA_EXPORT"/*.json || true
+  if compgen -G "$PA_EXPORT/*-1.json" > /dev/null; then
+    gpu_arg=(); [ -s "$PA_EXPORT/gpu.csv" ] && gpu_arg=(--gpu "$PA_EXPORT/gpu.csv")
+    echo; python3 "$repo/benchmarks/pa_export.py" --slow "${gpu_arg[@]}" "$PA_EXPORT"/*-1.json || true
+  fi
 fi
 printf '%s\n' "${sse_rows[@]}"
 [ ${#cpu_lines[@]} -eq 0 ] || printf '%s\n' "${cpu_lines[@]}"

@@ -2,6 +2,7 @@
 
     python benchmarks/pa_export.py [--out-tokens 128] FILE.json [FILE.json ...]   # gpu_perf_analyzer.sh PA_EXPORT=DIR
     python benchmarks/pa_export.py --arrivals [--out-tokens 128] FILE.json ...     # when each token reached the client
+    python benchmarks/pa_export.py --slow [--gpu GPU.csv] FILE.json ...            # spells of slow requests
 
 Why (issue 13): perf_analyzer at concurrency C keeps C requests outstanding, so by Little's law requests/s x mean
 latency should be C. On the H200 host the Llama-3.2-1B shape read 94.2 requests/s x 159.6 ms (p50) = 15.0 at 16
@@ -121,6 +122,7 @@ def table(paths: list[Path], out_tokens: int = 128) -> str:
 
 
 ARRIVAL_TOKENS = (1, 2, 4, 16, 64, 120, 126, 127, 128)
+SLOW_FACTOR = 1.05  # a request this much over the median latency counts as slow (slow_spells)
 
 
 def _tokens_in(output: dict) -> int:
@@ -166,10 +168,114 @@ def arrivals_table(paths: list[Path], out_tokens: int = 128) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class SlowSpell:
+    start_s: float  # the spell's first send, from the run's first send
+    end_s: float  # its last request's last response
+    requests: int
+    latency_p50_ms: float
+    longest_gap_ms: float  # the longest time between two responses of one of its requests
+
+
+def slow_spells(requests: list[dict], factor: float = SLOW_FACTOR, bridge: int = 1) -> list[SlowSpell]:
+    """Runs of requests (in send order) that took more than `factor` x the median latency, joined across at most
+    `bridge` requests that did not. Why (issue 13): a one-stream run's mean falls below its median when the engine
+    steps slower for a while (the twenty-fifth session: 2.5 s of 13-25% slower requests in a 29 s run, no long gap
+    in any of them); this says when, for how long, and whether it was one stall (a long gap) or every step."""
+    spans = sorted((r["timestamp"], r["response_timestamps"]) for r in requests if r.get("response_timestamps"))
+    if not spans:
+        return []
+    t0 = spans[0][0]
+    latency = [(stamps[-1] - sent) / 1e6 for sent, stamps in spans]
+    limit = factor * statistics.median(latency)
+    slow = [i for i, value in enumerate(latency) if value > limit]
+    groups: list[list[int]] = []
+    for i in slow:
+        if groups and i - groups[-1][-1] <= bridge + 1:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    spells = []
+    for group in groups:
+        first, last = group[0], group[-1]
+        gaps = [max((b - a for a, b in zip(spans[i][1], spans[i][1][1:])), default=0) / 1e6 for i in group]
+        spells.append(SlowSpell((spans[first][0] - t0) / 1e9, (spans[last][1][-1] - t0) / 1e9, len(group),
+                                statistics.median(latency[i] for i in group), max(gaps)))
+    return spells
+
+
+@dataclass
+class GpuSample:
+    t_s: float  # seconds since the epoch, as the export's timestamps (ns) / 1e9
+    sm_mhz: float
+    power_w: float
+    reasons: str  # the clock event reasons' bit mask, as nvidia-smi prints it
+
+
+def read_gpu_log(path: Path) -> list[GpuSample]:
+    """`nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active --format=csv,noheader,
+    nounits -lms 100` lines (gpu_perf_analyzer.sh GPU_LOG=1). Its timestamps are the host's local time: read this
+    file on the host that wrote it. Lines it could not measure ([N/A], a cut last line) are skipped."""
+    from datetime import datetime
+
+    samples = []
+    for line in path.read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 4:
+            continue
+        try:
+            t = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            samples.append(GpuSample(t, float(fields[1]), float(fields[2]), fields[3]))
+        except ValueError:
+            continue
+    return samples
+
+
+def _gpu_during(samples: list[GpuSample], start_s: float, end_s: float) -> str:
+    """The SM clock (min / median MHz), the power median and the clock event reasons seen in [start_s, end_s]."""
+    inside = [g for g in samples if start_s <= g.t_s <= end_s]
+    if not inside:
+        return "no samples"
+    reasons = sorted({g.reasons for g in inside})
+    return (f"SM {min(g.sm_mhz for g in inside):.0f} / {statistics.median(g.sm_mhz for g in inside):.0f} MHz, "
+            f"{statistics.median(g.power_w for g in inside):.0f} W, reasons {' '.join(reasons)}")
+
+
+def slow_table(paths: list[Path], factor: float = SLOW_FACTOR, gpu: list[GpuSample] | None = None) -> str:
+    lines = [f"| file | streams | median ms | spell s | slow requests (> {factor:g} x median) | their p50 ms | "
+             "longest gap ms |" + (" GPU in the spell (whole run) |" if gpu else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
+    for path in paths:
+        for exp in json.loads(path.read_text()).get("experiments", []):
+            reqs = [r for r in exp.get("requests", []) if r.get("response_timestamps")]
+            if not reqs:
+                continue
+            med = statistics.median((r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in reqs)
+            name = f"{path.parent.name}/{path.name} | {exp['experiment']['value']} | {med:.2f}"
+            t0 = min(r["timestamp"] for r in reqs) / 1e9
+            t1 = max(r["response_timestamps"][-1] for r in reqs) / 1e9
+            for spell in slow_spells(reqs, factor) or [None]:
+                row = (f"| {name} | none | 0 | | |" if spell is None else
+                       f"| {name} | {spell.start_s:.2f}-{spell.end_s:.2f} | {spell.requests} | "
+                       f"{spell.latency_p50_ms:.2f} | {spell.longest_gap_ms:.2f} |")
+                if gpu:
+                    during = "" if spell is None else _gpu_during(gpu, t0 + spell.start_s, t0 + spell.end_s)
+                    row += f" {during} ({_gpu_during(gpu, t0, t1)}) |"
+                lines.append(row)
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     tokens = 128
     arrivals = False
+    if args[:1] == ["--slow"]:  # spells of slow requests (slow_spells), instead of the tables
+        args = args[1:]
+        gpu_log = None
+        if args[:1] == ["--gpu"]:
+            gpu_log, args = read_gpu_log(Path(args[1])), args[2:]
+        print(slow_table([Path(p) for p in args], gpu=gpu_log))
+        sys.exit(0)
     if args[:1] == ["--arrivals"]:  # when each token reached the client (token_arrivals), instead of the tables
         arrivals, args = True, args[1:]
     if args[:1] == ["--out-tokens"]:

@@ -49,3 +49,38 @@ def test_the_trace_timeline_starts_from_any_ensembles_requests(tmp_path):
     text = summary.trace_timeline(trace)
     assert text.startswith("1 ensemble requests traced")
     assert "| 0.500 | floor_engine | COMPUTE_START | 1 |" in text
+
+
+def test_slow_spells_group_the_slow_requests_and_tell_a_stall_from_slow_steps(tmp_path):
+    pa = _module("pa_export")
+    # one request every 100 ms, 10 ms each (10 responses 1 ms apart); requests 3-5 every step 50% slower, with one
+    # normal request bridged inside (4); request 8 one 20 ms stall
+    reqs = []
+    for i in range(10):
+        step = 1.5 if i in (3, 5) else 1.0
+        stamps = [step * (k + 1) for k in range(10)]
+        if i == 8:
+            stamps = stamps[:5] + [s + 20 for s in stamps[5:]]
+        reqs.append(_request(100.0 * i, stamps, [1] * 10))
+    spells = pa.slow_spells(reqs)
+    assert [(s.requests, round(s.start_s, 3), round(s.end_s, 4)) for s in spells] == [(2, 0.3, 0.515), (1, 0.8, 0.83)]
+    assert spells[0].latency_p50_ms == 15.0 and spells[0].longest_gap_ms == 1.5
+    assert spells[1].longest_gap_ms == 21.0
+    assert pa.slow_spells(reqs[:3]) == []  # all alike: none
+
+    export = tmp_path / "run" / "ensemble-1.json"
+    export.parent.mkdir()
+    export.write_text(json.dumps({"experiments": [{"experiment": {"value": 1}, "requests": reqs}]}))
+    # nvidia-smi's lines in the host's local time; the requests' timestamps are ns since the epoch
+    from datetime import datetime
+
+    def line(t_s: float, mhz: int) -> str:
+        return f"{datetime.fromtimestamp(t_s).strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {mhz}, 120.5, 0x0000000000000000"
+
+    gpu = tmp_path / "gpu.csv"
+    gpu.write_text("\n".join([line(0.0, 1980), line(0.35, 1500), line(0.5, 1600), line(0.6, 1980), "[N/A], cut"]))
+    samples = pa.read_gpu_log(gpu)
+    assert [g.sm_mhz for g in samples] == [1980, 1500, 1600, 1980]
+    table = pa.slow_table([export], gpu=samples)
+    assert "| run/ensemble-1.json | 1 | 10.00 | 0.30-0.52 | 2 | 15.00 | 1.50 | SM 1500 / 1550 MHz, 120 W" in table
+    assert "(SM 1500 / 1790 MHz" in table
