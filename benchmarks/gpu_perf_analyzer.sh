@@ -138,6 +138,17 @@ profile() {  # py-spy every stub process (named by its model) and the engine chi
   done
   wait
 }
+# WARMUP (default 1; 0 = off): before the measured runs, perf_analyzer sends each target a few seconds of 16 streams,
+# so that every model instance has served requests (the in-process side warms up too, bench_serving.py). Until the
+# twenty-fifth session there was none, and each one-stream run's first request took 23-28 ms longer than the
+# median (its first token ~30 ms), and its next two merged tokens (pa_export.py --slow).
+if [ "${WARMUP:-1}" != 0 ] && [ -n "$conc" ]; then
+  for target in ${TARGETS:-ensemble freetoken}; do
+    timeout 120 "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
+      --input-data "$work/$target.json" --concurrency-range 16 --measurement-interval 1000 --max-trials 2 \
+      --stability-percentage 100 > "$work/warmup-$target.txt" 2>&1 || tail -3 "$work/warmup-$target.txt"
+  done
+fi
 gpu_log_pid=
 if [ -n "${GPU_LOG:-}" ] && [ -n "${PA_EXPORT:-}" ] && command -v nvidia-smi > /dev/null; then
   reasons=clocks_event_reasons.active  # the older drivers' name: clocks_throttle_reasons.active
