@@ -145,7 +145,7 @@ profile() {  # py-spy every stub process (named by its model) and the engine chi
 if [ "${WARMUP:-1}" != 0 ] && [ -n "$conc" ]; then
   for target in ${TARGETS:-ensemble freetoken}; do
     timeout 120 "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
-      --input-data "$work/$target.json" --concurrency-range 16 --measurement-interval 1000 --max-trials 2 \
+      --input-data "$work/$target.json" --concurrency-range 16 --measurement-interval 1000 --max-trials 3 \
       --stability-percentage 100 > "$work/warmup-$target.txt" 2>&1 || tail -3 "$work/warmup-$target.txt"
   done
 fi
