@@ -39,9 +39,9 @@ SERVING_DEFAULTS: dict[str, str] = {
     # every streamed response one more IPC round trip; 0 = off: the cancel is noticed at the end.
     "nonstream_cancel_probe_ms": "0",
     # Flow control of streamed ensemble responses (serving/engine_loop.py): how many a request may have
-    # in the detokenizer's queue (sent, not yet acked). 0 = auto: 1 when the detokenizer runs several
-    # instances (what keeps a stream in order across them), 4 with one instance (one queue: in order
-    # anyway). While a stream is at the limit its tokens wait and merge into its next response.
+    # in the detokenizer's queue (sent, not yet acked). 0 = auto: 4 with detok_send_order (the default) or one
+    # detokenizer instance (one queue: in order anyway), else 1 (what keeps a stream in order across several
+    # instances). While a stream is at the limit its tokens wait and merge into its next response.
     "detok_max_inflight": "0",
     # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
