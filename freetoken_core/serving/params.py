@@ -47,8 +47,9 @@ SERVING_DEFAULTS: dict[str, str] = {
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
     # stream's last response never waits for an ack. Only with the decoupled detokenizer (the default): with a
     # plain one it is off (logged). On by default since the twenty-fifth session: on the H200, with the engine
-    # process, one token a response at one stream (1.31-1.35 off), SmolLM2 shape at 16 streams 1.32-1.47 tokens
-    # a response (1.51 off), the same throughput (benchmarks/RESULTS.md); 0: one response of a stream in flight.
+    # process, one token a response at one stream (up to 1.35 off), SmolLM2 shape at 16 streams 1.32-1.47 tokens
+    # a response (1.51 off), 16 streams 2-4% less, 64 streams 5-11% more tok/s (benchmarks/RESULTS.md); 0: one
+    # response of a stream in flight.
     "detok_send_order": "1",
     # 1: the engine (scheduler, model, sampling) runs in a child process with a GIL of its own, and this
     # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine
