@@ -36,24 +36,33 @@ INPUT_NAMES = (
 )
 
 
-def detokenizer_decoupled(model_dir: str) -> bool | None:
-    """Whether the ensemble's detokenizer next to this model is decoupled (None: no config there)."""
+_DECOUPLED = re.compile(r"decoupled\s*:\s*true")  # in a config.pbtxt's model_transaction_policy
+
+
+def _detokenizer_config(model_dir: str) -> tuple[Path, str | None]:
+    """The ensemble's detokenizer config next to this model: its path and its text without comments (None: no
+    such file)."""
     cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
     if not model_dir or not cfg.is_file():
-        return None
-    return bool(re.search(r"decoupled\s*:\s*true", re.sub(r"#[^\n]*", "", cfg.read_text())))
+        return cfg, None
+    return cfg, re.sub(r"#[^\n]*", "", cfg.read_text())
+
+
+def detokenizer_decoupled(model_dir: str) -> bool | None:
+    """Whether the ensemble's detokenizer next to this model is decoupled (None: no config there)."""
+    _, text = _detokenizer_config(model_dir)
+    return None if text is None else bool(_DECOUPLED.search(text))
 
 
 def check_detokenizer_decoupled(model_dir: str) -> None:
     """Probes (nonstream_cancel_probe_ms > 0) are invisible only to a decoupled detokenizer, which can
     complete one with the FINAL flag alone; a plain one would answer each probe, and every client
     would get extra responses. Refuse to start instead."""
-    decoupled = detokenizer_decoupled(model_dir)
-    if decoupled is None:
-        log.warning("nonstream_cancel_probe_ms is set but %s/detokenizer/config.pbtxt is missing: make sure the "
-                    "ensemble's detokenizer is decoupled", Path(model_dir).parent)
-    elif not decoupled:
-        cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
+    cfg, text = _detokenizer_config(model_dir)
+    if text is None:
+        log.warning("nonstream_cancel_probe_ms is set but %s is missing: make sure the ensemble's "
+                    "detokenizer is decoupled", cfg)
+    elif not _DECOUPLED.search(text):
         raise ValueError(
             f"nonstream_cancel_probe_ms > 0 needs a decoupled detokenizer, but {cfg} is not: add "
             "`model_transaction_policy { decoupled: true }` there (`freetoken-core serve` does) or set "
@@ -96,10 +105,10 @@ def model_instance_count(model_config: dict[str, Any]) -> int:
 
 def detokenizer_instances(model_dir: str) -> int:
     """The instance count in the ensemble's detokenizer config next to this model (0 = unknown)."""
-    cfg = Path(model_dir).parent / "detokenizer" / "config.pbtxt"
-    if not model_dir or not cfg.is_file():
+    _, text = _detokenizer_config(model_dir)
+    if text is None:
         return 0
-    m = re.search(r"instance_group\s*\[\s*\{[^}]*?count\s*:\s*(\d+)", re.sub(r"#[^\n]*", "", cfg.read_text()))
+    m = re.search(r"instance_group\s*\[\s*\{[^}]*?count\s*:\s*(\d+)", text)
     return int(m.group(1)) if m else 1
 
 
@@ -175,10 +184,11 @@ class FreetokenModel:
         self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
         self.send_unasked_outputs = send_unasked_outputs(params)
         probe_ms = self.options["nonstream_cancel_probe_ms"]
+        model_dir = args.get("model_repository", "")
         if probe_ms > 0:
-            check_detokenizer_decoupled(args.get("model_repository", ""))
+            check_detokenizer_decoupled(model_dir)
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
-        send_order = send_order_enabled(self.options["detok_send_order"], args.get("model_repository", ""))
+        send_order = send_order_enabled(self.options["detok_send_order"], model_dir)
         self.loop = EngineLoop(
             self.sched,
             TritonTransport(pb_utils),
@@ -187,8 +197,7 @@ class FreetokenModel:
                 metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
-                max_inflight=max_inflight(self.options["detok_max_inflight"], args.get("model_repository", ""),
-                                          send_order),
+                max_inflight=max_inflight(self.options["detok_max_inflight"], model_dir, send_order),
                 sender_threads=sender_threads(self.options),
                 send_order=send_order,
             ),
