@@ -148,14 +148,16 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
 
 
 def default_detokenizer_instances(cpus: int | None = None) -> int:
-    """Detokenizer instances for this host: each is a stub process that keeps about one core busy at
-    full load (~190 us of Python-backend overhead per response, issue 13), next to the engine's two
-    threads, tritonserver's own and the client's. 1 on small boxes (2 cores here), 1 per 4 CPUs up to 4
-    below 16 CPUs (not measured there), 8 on 16 or more: on the H200 host (16 cores) 6 `freetoken` and 8
-    detokenizer instances answered 10.5-10.8k responses/s at 64 streams and 1.2-1.4 tokens a response at 16,
-    against 5.9-6.3k and 2.2-2.3 with 2 and 4 (benchmarks/RESULTS.md, seventeenth session)."""
+    """Detokenizer instances for this host. Each is a light stub process (~35 MB, no torch) that waits most of a
+    response on IPC round trips (the execute it is handed, its `send()`), not on a CPU: at 16 and 64 streams the
+    8 stubs of the H200 host kept ~2.3-2.7 cores busy (benchmarks/RESULTS.md, twenty-first session), so
+    instances, not cores, set how many responses a second the ensemble answers. 1 on small boxes (2 cores
+    here), 1 per 4 CPUs up to 4 below 16 CPUs (not measured there), 16 on 16 or more: on the H200 host
+    (16 cores) 16 instances answered 10.7k responses/s at 16 streams (1.29 tokens a response) and 11.3k at
+    64, against 8.8-9.6k (1.28-1.43) and 8.3-9.2k with 8 in the same call (twenty-sixth session); 8 against
+    2 and 4: seventeenth session."""
     cpus = cpus or os.cpu_count() or 1
-    return 8 if cpus >= 16 else max(1, min(4, cpus // 4))
+    return 16 if cpus >= 16 else max(1, min(4, cpus // 4))
 
 
 def default_freetoken_instances(cpus: int | None = None, engine_process: bool = True) -> int:

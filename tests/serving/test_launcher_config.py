@@ -123,7 +123,7 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
     from freetoken_core.serving.freetoken_model import max_inflight
     from freetoken_core.serving.launcher import default_detokenizer_instances
 
-    assert [default_detokenizer_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 2, 3, 8, 8]
+    assert [default_detokenizer_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 2, 3, 16, 16]
     one = render_repository(tmp_path / "one", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "1"})
     two = render_repository(tmp_path / "two", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
     # auto: one queue keeps order anyway (4 in flight); several instances: one in flight per stream
