@@ -11,6 +11,8 @@
 # gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
 # (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
+# CPU_WAKE_LATENCY_US=N: hold /dev/cpu_dma_latency at N us for the whole call, both sides (host tuning, as tuned's
+# latency-performance profile does: benchmarks/host_idle.py); the first lines say whether the host allows it.
 set -euo pipefail
 shape=$1
 settings=${2:-""}
@@ -21,6 +23,12 @@ export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-10} TARGETS=${TARGETS:-ensemb
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
+python3 "$repo/benchmarks/host_idle.py" info || true
+if [ -n "${CPU_WAKE_LATENCY_US:-}" ]; then
+  python3 "$repo/benchmarks/host_idle.py" hold "$CPU_WAKE_LATENCY_US" & holder=$!
+  trap 'kill $holder 2>/dev/null || true' EXIT
+  sleep 0.5
+fi
 inprocess() {
   echo "=== in-process $shape${1:-}"
   python3 "$repo/benchmarks/bench_serving.py" --model-path "$TOKENIZER_DIR" --shape "$shape" --device cuda \
