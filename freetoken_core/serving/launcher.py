@@ -148,10 +148,10 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
 
 
 def default_detokenizer_instances(cpus: int | None = None) -> int:
-    """Detokenizer instances for this host. Each is a light stub process (~35 MB, no torch) that waits most of a
-    response on IPC round trips (the execute it is handed, its `send()`), not on a CPU: at 16 and 64 streams the
-    8 stubs of the H200 host kept ~2.3-2.7 cores busy (benchmarks/RESULTS.md, twenty-first session), so
-    instances, not cores, set how many responses a second the ensemble answers. 1 on small boxes (2 cores
+    """Detokenizer instances for this host. Each is a light stub process (no torch: its imports take ~35 MB)
+    that waits most of a response on IPC round trips (the execute it is handed, its `send()`), not on a CPU: at
+    16 and 64 streams the 8 stubs of the H200 host kept ~2.3-2.7 cores busy (benchmarks/RESULTS.md, twenty-first
+    session), so instances, not cores, set how many responses a second the ensemble answers. 1 on small boxes (2 cores
     here), 1 per 4 CPUs up to 4 below 16 CPUs (not measured there), 16 on 16 or more: on the H200 host
     (16 cores) 16 instances answered 10.7k responses/s at 16 streams (1.29 tokens a response) and 11.3k at
     64, against 8.8-9.6k (1.28-1.43) and 8.3-9.2k with 8 in the same call (twenty-sixth session); 8 against
