@@ -7,7 +7,7 @@
 # A SETTING is environment assignments for the server (FREETOKEN_<PARAM>=V overrides a serving parameter), e.g.
 #   bash benchmarks/gpu_served_ab.sh smollm2-135m \
 #     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
-# An empty SETTING ("") is the defaults. PA_EXPORT=DIR: each setting's exports go to DIR/1, DIR/2, ... in order. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (10) as in
+# An empty SETTING is the defaults, wherever it stands ("" alone, "X;" = X then the defaults, ";X"). PA_EXPORT=DIR: each setting's exports go to DIR/1, DIR/2, ... in order. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (10) as in
 # gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
 # (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
@@ -36,8 +36,9 @@ inprocess() {
     | grep "in-process LLM"
 }
 [ "${INPROCESS:-1}" = 0 ] || inprocess
-IFS=';' read -ra runs <<< "$settings"
-[ ${#runs[@]} -gt 0 ] || runs=("")
+# split on ';' keeping empty settings anywhere ("X;" is X then the defaults; `read -a` would drop a trailing one)
+runs=(); rest=$settings
+while :; do runs+=("${rest%%;*}"); [[ $rest == *";"* ]] || break; rest=${rest#*;}; done
 export_base=${PA_EXPORT:-}
 n=0
 for setting in "${runs[@]}"; do
