@@ -12,7 +12,8 @@
 # (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
 # setting at the default concurrencies.
 # CPU_WAKE_LATENCY_US=N: hold /dev/cpu_dma_latency at N us for the whole call, both sides (host tuning, as tuned's
-# latency-performance profile does: benchmarks/host_idle.py); the first lines say whether the host allows it.
+# latency-performance profile does: benchmarks/host_idle.py); the first lines say whether the host allows it (the
+# lent H200 hosts allow it but have no idle states for it to act on: twenty-seventh session).
 set -euo pipefail
 shape=$1
 settings=${2:-""}

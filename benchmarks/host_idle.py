@@ -6,7 +6,9 @@ H200 host a woken thread took 50-110 us at the median, more than a warm core nee
 every CPU out of the states whose exit latency exceeds the value written, for as long as the writer keeps the file
 open (what tuned's latency-performance profile does). It is host tuning that a deployer chooses, not something
 `serve` does: this script only tells whether a benchmark host has those states and, asked, holds the limit for a
-run, so that a served run can be compared with and without it.
+run, so that a served run can be compared with and without it. The H200 hosts lent to this project (twenty-seventh
+session) have no cpuidle driver (the guest halts to its hypervisor) and holding the limit at 0 moved no hand-off
+beyond the noise (benchmarks/RESULTS.md): their wake-ups are the hypervisor's, not C-state exits.
 
   python3 benchmarks/host_idle.py info            # one line: the idle driver, governor, states, whether it can hold
   python3 benchmarks/host_idle.py hold US         # hold the limit at US microseconds until killed (SIGTERM)
