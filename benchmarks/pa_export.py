@@ -93,14 +93,18 @@ def windows(requests: list[dict], boundaries: list[int]) -> list[Window]:
     return out
 
 
+def experiments(path: Path) -> list[tuple[int, list[dict], list]]:
+    """An export's runs: (concurrency, requests, window boundaries) each."""
+    return [(int(exp["experiment"]["value"]), exp.get("requests", []), exp.get("window_boundaries", []))
+            for exp in json.loads(path.read_text()).get("experiments", [])]
+
+
 def read_export(path: Path) -> list[tuple[LoopSummary, list[Window]]]:
-    data = json.loads(path.read_text())
     out = []
-    for exp in data.get("experiments", []):
-        requests = exp.get("requests", [])
-        summary = summarize(int(exp["experiment"]["value"]), requests)
+    for concurrency, requests, boundaries in experiments(path):
+        summary = summarize(concurrency, requests)
         if summary is not None:
-            out.append((summary, windows(requests, exp.get("window_boundaries", []))))
+            out.append((summary, windows(requests, boundaries)))
     return out
 
 
@@ -157,13 +161,13 @@ def arrivals_table(paths: list[Path], out_tokens: int = 128) -> str:
     lines = ["| file | streams | " + " | ".join(f"token {k} ms" for k in ks) + " | ms a token, 16 -> 120 | last gap ms |",
              "|---|---|" + "---|" * (len(ks) + 2)]
     for path in paths:
-        for exp in json.loads(path.read_text()).get("experiments", []):
-            med = token_arrivals(exp.get("requests", []), out_tokens)
+        for concurrency, requests, _ in experiments(path):
+            med = token_arrivals(requests, out_tokens)
             if len(med) < len(ks):
                 continue
             slope = (med[120] - med[16]) / 104 if 120 in med and 16 in med else float("nan")
             gap = med[out_tokens] - med[out_tokens - 1] if out_tokens - 1 in med else float("nan")
-            lines.append(f"| {path.parent.name}/{path.name} | {exp['experiment']['value']} | " + " | ".join(f"{med[k]:.2f}" for k in ks)
+            lines.append(f"| {path.parent.name}/{path.name} | {concurrency} | " + " | ".join(f"{med[k]:.2f}" for k in ks)
                          + f" | {slope:.4f} | {gap:.3f} |")
     return "\n".join(lines)
 
@@ -246,12 +250,12 @@ def slow_table(paths: list[Path], factor: float = SLOW_FACTOR, gpu: list[GpuSamp
              "longest gap ms |" + (" GPU in the spell (whole run) |" if gpu else ""),
              "|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
     for path in paths:
-        for exp in json.loads(path.read_text()).get("experiments", []):
-            reqs = [r for r in exp.get("requests", []) if r.get("response_timestamps")]
+        for concurrency, requests, _ in experiments(path):
+            reqs = [r for r in requests if r.get("response_timestamps")]
             if not reqs:
                 continue
             med = statistics.median((r["response_timestamps"][-1] - r["timestamp"]) / 1e6 for r in reqs)
-            name = f"{path.parent.name}/{path.name} | {exp['experiment']['value']} | {med:.2f}"
+            name = f"{path.parent.name}/{path.name} | {concurrency} | {med:.2f}"
             t0 = min(r["timestamp"] for r in reqs) / 1e9
             t1 = max(r["response_timestamps"][-1] for r in reqs) / 1e9
             for spell in slow_spells(reqs, factor) or [None]:
