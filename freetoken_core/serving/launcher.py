@@ -164,11 +164,13 @@ def default_freetoken_instances(cpus: int | None = None, engine_process: bool = 
     """`freetoken` instances for this host. Each is a stub process whose sends are serialized (one
     `send()` is an IPC round trip to a server thread, ~2.8k responses/s a stub), and they share one engine
     process: on the H200 host (16 cores) six instances with 8 detokenizers answered 10.5-10.8k responses/s at
-    64 streams, four 7.3k (8.8k with 6 detokenizers), two 5.9k, at the same or higher tok/s; eight were no
-    better than six (benchmarks/RESULTS.md, seventeenth session). One on smaller hosts (not measured there),
-    and one when the engine runs in the model's process (engine_process=0 cannot share)."""
+    64 streams, four 7.3k (8.8k with 6 detokenizers), two 5.9k, at the same or higher tok/s (seventeenth
+    session). Eight since the twenty-eighth session: with 16 detokenizers and 2 send threads each
+    (`sender_threads` auto) they answered 11.2-11.5k responses/s at 64 streams where six of one thread answered
+    7.1k, at equal or higher tok/s (benchmarks/RESULTS.md). One on smaller hosts (not measured there), and one
+    when the engine runs in the model's process (engine_process=0 cannot share)."""
     cpus = cpus or os.cpu_count() or 1
-    return 6 if engine_process and cpus >= 16 else 1
+    return 8 if engine_process and cpus >= 16 else 1
 
 
 @dataclass

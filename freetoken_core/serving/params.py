@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import types
 import typing
 from typing import Any, Mapping
@@ -71,8 +72,11 @@ SERVING_DEFAULTS: dict[str, str] = {
     "idle_spin_us": "0",
     # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
-    # request stays on one thread (its order holds). 1 = the sender thread sends itself.
-    "sender_threads": "1",
+    # request stays on one thread (its order holds). 1 = the sender thread sends itself. 0 = auto: 2 with the
+    # engine process on hosts of 16+ CPUs (where `serve` also runs 8 instances), else 1. On the H200 host 8
+    # instances of 2 send threads answered 11.2-11.5k responses/s at 64 streams against 7.1k (and a run with no
+    # result) for 6 of 1, at 1.38-1.40 tokens a response at 16 streams (RESULTS.md, twenty-eighth session).
+    "sender_threads": "0",
 }
 
 
@@ -174,10 +178,14 @@ def serving_options(params: Mapping[str, str]) -> dict[str, float]:
     return out
 
 
-def sender_threads(options: Mapping[str, float]) -> int:
+def sender_threads(options: Mapping[str, float], cpus: int | None = None) -> int:
+    """Send threads of one `freetoken` instance; 0 (auto) resolves for this host (`cpus`: os.cpu_count())."""
     value = options["sender_threads"]
-    if value != int(value) or not 1 <= value <= 64:
-        raise ValueError(f"serving parameter sender_threads must be a whole number from 1 to 64, got {value:g}")
+    if value != int(value) or not 0 <= value <= 64:
+        raise ValueError(f"serving parameter sender_threads must be a whole number from 1 to 64, or 0 (auto), "
+                         f"got {value:g}")
+    if value == 0:
+        return 2 if options["engine_process"] and (cpus or os.cpu_count() or 1) >= 16 else 1
     return int(value)
 
 

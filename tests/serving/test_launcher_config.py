@@ -133,10 +133,10 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
         max_inflight(-1, "")
 
 
-def test_default_freetoken_instances_six_on_big_hosts_one_without_an_engine_process():
+def test_default_freetoken_instances_eight_on_big_hosts_one_without_an_engine_process():
     from freetoken_core.serving.launcher import default_freetoken_instances
 
-    assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 6, 6]
+    assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 8, 8]
     assert default_freetoken_instances(64, engine_process=False) == 1
 
 
@@ -144,9 +144,12 @@ def test_sender_threads_and_engine_process_parameters():
     from freetoken_core.serving.params import sender_threads, serving_options
 
     defaults = serving_options({})
-    assert defaults["engine_process"] == 1 and sender_threads(defaults) == 1
-    assert sender_threads(serving_options({"sender_threads": "8"})) == 8
-    for bad in ("0", "1.5", "65"):
+    # auto: two on hosts of 16+ CPUs with the engine process (beside 8 instances), one elsewhere
+    assert defaults["engine_process"] == 1 and defaults["sender_threads"] == 0
+    assert [sender_threads(defaults, cpus=n) for n in (2, 15, 16, 64)] == [1, 1, 2, 2]
+    assert sender_threads(serving_options({"engine_process": "0"}), cpus=64) == 1
+    assert sender_threads(serving_options({"sender_threads": "8"}), cpus=2) == 8
+    for bad in ("-1", "1.5", "65"):
         with pytest.raises(ValueError, match="sender_threads must be a whole number from 1 to 64"):
             sender_threads(serving_options({"sender_threads": bad}))
 
