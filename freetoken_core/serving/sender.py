@@ -67,6 +67,7 @@ class SenderReport:
     # this thread builds the response), where a request's time to its first token goes inside this model
     first_s: list[tuple[float, float, float]] = field(default_factory=list)
     inline: int = 0  # posts built and sent on the posting thread (ResponseSender.inline_max)
+    direct: int = 0  # responses sent by the building thread although send workers run (the only one due)
 
     def line(self, now: float) -> str:
         dt = max(now - self.t0, 1e-9)
@@ -77,6 +78,8 @@ class SenderReport:
                 f"{sum(send) / dt:.0%}")
         if self.inline:
             text += f", {self.inline} posts sent inline"
+        if self.direct:
+            text += f", {self.direct} responses sent without a send worker"
         if rtt:
             text += (f", detokenizer ack round trip p50/p99 {1e3 * percentile(rtt, 0.5):.1f}/"
                      f"{1e3 * percentile(rtt, 0.99):.1f} ms")
@@ -285,11 +288,14 @@ class ResponseSender:
             self._free_retired(now)
             self._next_retire_check = now + 0.1
         waiting = self._waiting
-        for uid in list(waiting):
-            st, msgs = waiting[uid]
-            if self._stopping or self._may_send(st, msgs, now):
-                del waiting[uid]
-                self._send_stream(st, msgs)
+        due = [uid for uid, (st, msgs) in waiting.items() if self._stopping or self._may_send(st, msgs, now)]
+        # one response due: send it on this thread. A send worker buys nothing then (nothing to overlap it with)
+        # and its hand-off costs a thread wake-up (~55-90 us on the H200 host) on every token of a lone stream;
+        # _may_send saw the request's previous response delivered, so its order holds
+        direct = len(due) == 1 and not self._stopping
+        for uid in due:
+            st, msgs = waiting.pop(uid)
+            self._send_stream(st, msgs, direct)
 
     def _may_send(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], now: float) -> bool:
         if st.handed != st.delivered:  # a send worker still has this request's previous response
@@ -349,7 +355,7 @@ class ResponseSender:
                 del self._retiring[uid]
                 self._slots.give_back(slot)
 
-    def _send_stream(self, st: "ActiveRequest", msgs: list[DetokenizeMsg]) -> None:
+    def _send_stream(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], direct: bool = False) -> None:
         last = msgs[-1]
         if len(msgs) == 1:
             tokens, logprobs = last.next_tokens, last.logprobs or None
@@ -382,11 +388,14 @@ class ResponseSender:
             self._acked_streams.pop(st.uid & ACK_UID_MASK, None)
             self._retire(st, st.seq - 1 if ack is not None else -1)
         self._report.tokens += len(tokens)
-        self._send(st.handle, outputs, None, last.finished, st)
+        self._send(st.handle, outputs, None, last.finished, st, direct)
 
     def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool,
-              st: "ActiveRequest | None" = None) -> None:
-        if self._workers is None:
+              st: "ActiveRequest | None" = None, direct: bool = False) -> None:
+        """Deliver on this thread (no send workers, or `direct`: nothing of this request is with its worker), else
+        hand it to the request's worker."""
+        if self._workers is None or direct:
+            self._report.direct += direct and self._workers is not None
             self._deliver((handle, outputs, error, final, None))
             return
         if st is not None:

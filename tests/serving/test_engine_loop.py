@@ -302,3 +302,14 @@ def test_send_workers_keep_each_stream_in_order_with_one_final(llm):
     transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=4))
     assert transport.most_in_flight > 1 and len(transport.threads) > 1  # the workers did overlap
     assert_streams_exact(transport, expected, llm.tokenizer)
+
+
+def test_send_workers_stand_aside_for_a_lone_stream(llm):
+    """sender_threads=2 with one stream: each response is the only one due, so the thread that builds it sends it
+    (no hand-off to a worker, whose wake-up would delay every token); the stream stays exact with one FINAL."""
+    prompts = ["Count to 7 in words:"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=2))
+    assert not any(name.startswith("freetoken-send-") for name in transport.threads), transport.threads
+    assert_streams_exact(transport, expected, llm.tokenizer)
