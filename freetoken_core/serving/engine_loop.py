@@ -136,7 +136,8 @@ class EngineLoop:
         # cancels that reach the detokenizer (see cancel.py), and the streams' send order across its instances
         self._cancel_channel = CancelChannel(send_order=self.opt.send_order and self.opt.max_inflight > 0)
         self.sender = ResponseSender(transport, self.opt, self._cancel_channel, self._undeliverable_handle,
-                                     inline_max=self.opt.inline_send_max if self._remote else 0)
+                                     inline_max=self.opt.inline_send_max if self._remote else 0,
+                                     active_requests=self._active.__len__)
         self._stopping = threading.Event()
         # the tokenizer's anchor table (computed once, here, not on the first request)
         self._anchors = scheduler.tokenizer.anchors

@@ -313,3 +313,14 @@ def test_send_workers_stand_aside_for_a_lone_stream(llm):
     transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=2))
     assert not any(name.startswith("freetoken-send-") for name in transport.threads), transport.threads
     assert_streams_exact(transport, expected, llm.tokenizer)
+
+
+def test_send_workers_send_when_several_streams_run(llm):
+    """sender_threads=2 with several streams: their responses go through the workers (a send on the sender thread
+    would hold back the other streams' responses that come due meanwhile)."""
+    prompts = [f"Count to {n} in words:" for n in range(3, 7)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=2))
+    assert any(name.startswith("freetoken-send-") for name in transport.threads), transport.threads
+    assert_streams_exact(transport, expected, llm.tokenizer)
