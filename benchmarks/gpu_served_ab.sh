@@ -23,7 +23,11 @@ export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
 export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-10} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
-echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
+# the device's copy of .git may be older than the tree it was sent (the commit line then misleads): the digest of
+# the tracked sources says which tree ran (`git ls-files -z freetoken_core model_repository | xargs -0 cat | sha1sum`
+# on the sending side gives the same)
+src=$(cd "$repo" && git ls-files -z freetoken_core model_repository 2>/dev/null | xargs -0 cat 2>/dev/null | sha1sum | cut -c1-12)
+echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?'), sources: $src"
 python3 "$repo/benchmarks/host_idle.py" info || true
 if [ -n "${CPU_WAKE_LATENCY_US:-}" ]; then
   python3 "$repo/benchmarks/host_idle.py" hold "$CPU_WAKE_LATENCY_US" & holder=$!
