@@ -67,7 +67,7 @@ class SenderReport:
     # this thread builds the response), where a request's time to its first token goes inside this model
     first_s: list[tuple[float, float, float]] = field(default_factory=list)
     inline: int = 0  # posts built and sent on the posting thread (ResponseSender.inline_max)
-    direct: int = 0  # responses sent by the building thread although send workers run (the only one due)
+    direct: int = 0  # responses sent by the building thread although send workers run (a lone request's)
 
     def line(self, now: float) -> str:
         dt = max(now - self.t0, 1e-9)
@@ -294,9 +294,10 @@ class ResponseSender:
         due = [uid for uid, (st, msgs) in waiting.items() if self._stopping or self._may_send(st, msgs, now)]
         # a lone request: send on this thread. A send worker has nothing to overlap its send with then, and its
         # hand-off costs a thread wake-up (~55-90 us on the H200 host) on every token; _may_send saw the
-        # request's previous response delivered, so its order holds. With more requests the workers send (a
-        # send on this thread would hold back the others' responses that come due meanwhile: measured, 16
-        # streams over 8 instances merged 1.81 tokens a response that way against 1.38-1.40)
+        # request's previous response delivered, so its order holds. With more requests the workers send: a
+        # send on this thread holds back the others' responses that come due meanwhile (on the H200 with every
+        # lone due response sent here, 16 streams over 8 instances merged 1.81 tokens a response, against
+        # 1.23-1.40 with the workers: RESULTS.md, twenty-eighth session)
         direct = (len(due) == 1 and not self._stopping and self._active_requests is not None
                   and self._active_requests() <= 1)
         for uid in due:
@@ -401,7 +402,8 @@ class ResponseSender:
         """Deliver on this thread (no send workers, or `direct`: nothing of this request is with its worker), else
         hand it to the request's worker."""
         if self._workers is None or direct:
-            self._report.direct += direct and self._workers is not None
+            if self._workers is not None:
+                self._report.direct += 1
             self._deliver((handle, outputs, error, final, None))
             return
         if st is not None:
