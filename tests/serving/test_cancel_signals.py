@@ -5,27 +5,20 @@ it starts cancelling the in-flight decoupled step of an ensemble, or tells model
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.serving
 
 pytest.importorskip("tritonclient.grpc")
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "repro_cancel_signals.py"
-
 
 @pytest.fixture(scope="module")
 def repro():
-    spec = importlib.util.spec_from_file_location("repro_cancel_signals", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("repro_cancel_signals")
 
 
 @pytest.fixture(scope="module")

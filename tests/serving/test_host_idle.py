@@ -3,7 +3,6 @@ kernel reads it: one native int, kept open until the holder is told to stop)."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import struct
 import subprocess
@@ -11,15 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("freetoken_bench_host_idle", BENCH / "host_idle.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from tests.benchmark_scripts import BENCHMARKS, load_benchmark
 
 
 def _state(cpuidle: Path, index: int, name: str, latency: int, disabled: bool = False) -> None:
@@ -31,7 +22,7 @@ def _state(cpuidle: Path, index: int, name: str, latency: int, disabled: bool = 
 
 
 def test_info_lists_states_in_kernel_order_and_whether_the_limit_can_be_held(tmp_path):
-    mod = _module()
+    mod = load_benchmark("host_idle")
     root = tmp_path / "cpu"
     cpuidle = root / "cpu0" / "cpuidle"
     for i, (name, lat) in enumerate([("POLL", 0), ("C1", 2), ("C1E", 10), ("C6", 133)]):
@@ -52,7 +43,7 @@ def test_info_lists_states_in_kernel_order_and_whether_the_limit_can_be_held(tmp
 def test_hold_writes_the_limit_and_stops_on_sigterm(tmp_path):
     qos = tmp_path / "qos"
     qos.write_bytes(b"")
-    proc = subprocess.Popen([sys.executable, str(BENCH / "host_idle.py"), "hold", "7", "--path", str(qos)],
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "host_idle.py"), "hold", "7", "--path", str(qos)],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().startswith(f"host_idle: holding {qos} at 7 us")
@@ -66,6 +57,6 @@ def test_hold_writes_the_limit_and_stops_on_sigterm(tmp_path):
 
 
 def test_hold_says_why_when_the_host_does_not_allow_it(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCH / "host_idle.py"), "hold", "0", "--path",
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "host_idle.py"), "hold", "0", "--path",
                           str(tmp_path / "missing" / "qos")], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1 and "cannot hold" in out.stdout

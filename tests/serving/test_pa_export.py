@@ -3,20 +3,9 @@ token reached the client, and the per-model timeline of any ensemble (served_flo
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _module(name: str):
-    spec = importlib.util.spec_from_file_location(f"freetoken_bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from tests.benchmark_scripts import load_benchmark
 
 
 def _request(t0_ms: float, stamps_ms: list[float], tokens: list[int]) -> dict:
@@ -26,7 +15,7 @@ def _request(t0_ms: float, stamps_ms: list[float], tokens: list[int]) -> dict:
 
 
 def test_token_arrivals_follow_the_responses_that_carry_them(tmp_path):
-    pa = _module("pa_export")
+    pa = load_benchmark("pa_export")
     # 4 tokens: the first alone at 3 ms, then two merged at 5 ms, the last at 6 ms; a request cut short is left out
     reqs = [_request(0, [3, 5, 6], [1, 2, 1]), _request(100, [2, 4, 8], [1, 2, 1]), _request(200, [1], [1])]
     arrivals = pa.token_arrivals(reqs, 4)
@@ -39,7 +28,7 @@ def test_token_arrivals_follow_the_responses_that_carry_them(tmp_path):
 
 
 def test_the_trace_timeline_starts_from_any_ensembles_requests(tmp_path):
-    summary = _module("pa_summary")
+    summary = load_benchmark("pa_summary")
     trace = tmp_path / "trace.json"
     ts = lambda name, ms: {"name": name, "ns": int(ms * 1e6)}  # noqa: E731
     trace.write_text(json.dumps([
@@ -52,7 +41,7 @@ def test_the_trace_timeline_starts_from_any_ensembles_requests(tmp_path):
 
 
 def test_slow_spells_group_the_slow_requests_and_tell_a_stall_from_slow_steps(tmp_path):
-    pa = _module("pa_export")
+    pa = load_benchmark("pa_export")
     # one request every 100 ms, 10 ms each (10 responses 1 ms apart); requests 3-5 every step 50% slower, with one
     # normal request bridged inside (4); request 8 one 20 ms stall
     reqs = []

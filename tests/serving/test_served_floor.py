@@ -3,23 +3,11 @@ FINAL, never sooner than its engine's own schedule (the floor's ideal)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.benchmark_scripts import load_benchmark
+
 pytest.importorskip("tritonclient.grpc")
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "served_floor.py"
-
-
-def _floor_module():
-    spec = importlib.util.spec_from_file_location("freetoken_served_floor", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("extra", [0, 2])
@@ -32,7 +20,7 @@ def test_floor_streams_one_response_a_token_on_its_schedule(tmp_path, extra):
         find_tritonserver()
     except RuntimeError as e:
         pytest.skip(f"no tritonserver: {e}")
-    floor = _floor_module()
+    floor = load_benchmark("served_floor")
     ttft_ms, step_ms, tokens = 5.0, 2.0, 6
     repo = floor.write_repository(tmp_path / "repo", ttft_ms, step_ms, extra)
     handle = spawn_tritonserver(repo, log_path=tmp_path / "server.log")

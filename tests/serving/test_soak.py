@@ -5,30 +5,18 @@ the text of its solo run (fp32), nothing errs, and once idle no KV page is held.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.benchmark_scripts import load_benchmark
 
 pytestmark = pytest.mark.serving
 
 pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("psutil")
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-
-
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("freetoken_soak", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_short_soak(triton_server):
-    soak = _soak_module()
+    soak = load_benchmark("soak")
     cfg = soak.SoakConfig(requests=150, concurrency=8, cancel_fraction=0.25, max_tokens=16, seed=1)
     report = soak.run_soak(triton_server.grpc_url, triton_server.http_url, triton_server.metrics_url, cfg,
                            triton_server.process.pid, log=lambda *_: None)
