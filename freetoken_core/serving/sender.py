@@ -298,8 +298,8 @@ class ResponseSender:
         # send on this thread holds back the others' responses that come due meanwhile (on the H200 with every
         # lone due response sent here, 16 streams over 8 instances merged 1.81 tokens a response, against
         # 1.23-1.40 with the workers: RESULTS.md, twenty-eighth session)
-        direct = (len(due) == 1 and not self._stopping and self._active_requests is not None
-                  and self._active_requests() <= 1)
+        direct = (self._workers is not None and len(due) == 1 and not self._stopping
+                  and self._active_requests is not None and self._active_requests() <= 1)
         for uid in due:
             st, msgs = waiting.pop(uid)
             self._send_stream(st, msgs, direct)
@@ -402,8 +402,7 @@ class ResponseSender:
         """Deliver on this thread (no send workers, or `direct`: nothing of this request is with its worker), else
         hand it to the request's worker."""
         if self._workers is None or direct:
-            if self._workers is not None:
-                self._report.direct += 1
+            self._report.direct += direct
             self._deliver((handle, outputs, error, final, None))
             return
         if st is not None:
