@@ -48,8 +48,9 @@ def plan_prefill(
         reqs.append(req)
         lens.append(n)
         budget -= n
-    # what admitted requests still need (rest of their prompt + next step) stays reserved
-    reserved = sum(cache.pages_needed(r, r.seq_len + headroom) for r in running)
+    # what admitted requests still need (rest of their prompt, a token in flight (overlap scheduling), next
+    # step) stays reserved
+    reserved = sum(cache.pages_needed(r, r.seq_len + r.inflight + headroom) for r in running)
     admitted: list[Req] = []
     num_admitted = len(running)
     while waiting and budget > 0 and num_admitted < max_running_req and cache.num_free_rows > 0:

@@ -79,28 +79,31 @@ def test_speculation_runs_without_riders(model_path):
     assert _mixed_steps(batches) == 0
 
 
-def test_mixed_moe_matches_transformers(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_moe_matches_transformers(tmp_path, overlap):
     from tests.models.moe_checkpoints import hf_greedy, make_tiny_moe
 
     path = make_tiny_moe(tmp_path, "per_expert", norm_topk_prob=True)
     expected = hf_greedy(path, PROMPTS, 10)
     llm = LLM(path, dtype="float32", page_size=4, num_pages=300, max_running_req=3, max_extend_tokens=16,
-              mixed_prefill=True)
+              mixed_prefill=True, overlap_schedule=overlap)
     batches = _record_batches(llm)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert _mixed_steps(batches) > 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
-def test_mixed_hybrid_matches_transformers(tmp_path, kind):
-    """GDN layers: a rider is a one-token sequence of the varlen state step, from its own state slot."""
+def test_mixed_hybrid_matches_transformers(tmp_path, kind, overlap):
+    """GDN layers: a rider is a one-token sequence of the varlen state step, from its own state slot (with
+    overlap scheduling, its input token gathered from the step still running)."""
     from tests.models.hybrid_checkpoints import MAX_NEW, PROMPTS as HYBRID_PROMPTS, hf_greedy, make_tiny_hybrid
 
     path = make_tiny_hybrid(tmp_path, kind)
     expected = hf_greedy(path, kind, HYBRID_PROMPTS, MAX_NEW)
     llm = LLM(path, dtype="float32", page_size=4, max_running_req=3, max_extend_tokens=7, num_pages=256,
-              mixed_prefill=True)
+              mixed_prefill=True, overlap_schedule=overlap)
     batches = _record_batches(llm)
     outs = llm.generate(HYBRID_PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
@@ -108,10 +111,12 @@ def test_mixed_hybrid_matches_transformers(tmp_path, kind):
     assert llm.scheduler.cache.num_free_rows == 3
 
 
-def test_mixed_steps_in_static_prefill_graphs(model_path):
-    """The prefill graphs' request slots cover every running request when steps are mixed."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_in_static_prefill_graphs(model_path, overlap):
+    """The prefill graphs' request slots cover every running request when steps are mixed (with overlap
+    scheduling, the riders' inputs gathered into the static buffers)."""
     kw = dict(dtype="float32", page_size=4, num_pages=400, max_running_req=3, max_extend_tokens=16,
-              attention_backend="triton")
+              attention_backend="triton", overlap_schedule=overlap)
     expected = [o.token_ids for o in LLM(model_path, **kw).generate(PROMPTS, PARAMS)]
     llm = LLM(model_path, mixed_prefill=True, **kw)
     engine = llm.scheduler.engine
@@ -123,3 +128,46 @@ def test_mixed_steps_in_static_prefill_graphs(model_path):
     runner.run_static = lambda batch: steps.append(list(batch.extend_lens)) or run_static(batch)
     assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
     assert any(lens[0] == 1 and max(lens) > 1 for lens in steps)
+
+
+def _record_reads(llm: LLM) -> list[tuple[str, int, set[int]]]:
+    """("launch" | "read", step number, uids of the step) for every step the engine launches and every read of
+    its tokens back on the host, in order."""
+    events: list[tuple[str, int, set[int]]] = []
+    engine = llm.scheduler.engine
+    launch = engine.launch
+
+    def recording(batch, *a, **kw):
+        step = launch(batch, *a, **kw)
+        n, uids = len([e for e in events if e[0] == "launch"]), {r.uid for r in batch.reqs}
+        events.append(("launch", n, uids))
+        result = step.result
+        step.result = lambda: events.append(("read", n, uids)) or result()
+        return step
+
+    engine.launch = recording
+    return events
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_prefill_steps_queue_behind_the_running_step(model_path, mixed):
+    """Overlap scheduling: a step that carries an arriving prompt (with the decoders riding in it, or on its own)
+    is launched while the running step's tokens are still on the device, and so is the step after a request's
+    last token went in flight: no step waits for its predecessor to be read back while a request runs in both
+    (the device would idle while the host plans it). Greedy tokens stay those of unoverlapped steps."""
+    kw = dict(dtype="float32", page_size=4, num_pages=400, max_running_req=3, max_extend_tokens=64,
+              mixed_prefill=mixed)
+    expected = [o.token_ids for o in LLM(model_path, overlap_schedule=False, **kw).generate(PROMPTS, PARAMS)]
+    llm = LLM(model_path, overlap_schedule=True, **kw)
+    events = _record_reads(llm)
+    batches = _record_batches(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+    assert (_mixed_steps(batches) > 0) == mixed
+    assert sum(1 for phase, _ in batches[1:] if phase == "prefill") >= 2  # prompts arrived while others decoded
+    launches = [(i, n, uids) for i, (kind, n, uids) in enumerate(events) if kind == "launch"]
+    for (i_prev, n_prev, uids_prev), (i, _, uids) in zip(launches, launches[1:]):
+        if uids_prev & uids:
+            assert ("read", n_prev, uids_prev) not in events[i_prev:i], f"step {n_prev + 1} waited for step {n_prev}"
+    cache = llm.scheduler.cache
+    assert cache.num_free_pages == cache.num_total_pages
+    cache.check()
