@@ -193,3 +193,23 @@ def test_gpu_fused_merge_under_contention_and_in_a_graph(batch_size, num_splits)
         torch.cuda.synchronize()
         torch.testing.assert_close(out, want, atol=1e-2, rtol=1e-2)
     assert torch.equal(counters, torch.zeros_like(counters))
+
+
+@pytest.mark.parametrize("group_rows", [True, False])
+@pytest.mark.parametrize("group", [2, 4])
+def test_extend_mixed_step_one_row_requests(group_rows, group):
+    """A mixed step's rows: decoders of one row each (in front, as `mixed_prefill` puts them), a prompt over
+    no prefix, a one-token chunk. group_rows: each one-row request runs in one program per KV head (its GROUP
+    query heads as the block's rows); without it one program per query head. Both match the reference."""
+    num_kv_heads = 2
+    prefix, ext = [5, 30, 0, 17, 12, 3], [1, 1, 1, 1, 11, 1]
+    c = make_case(prefix, ext, num_kv_heads * group, num_kv_heads, HEAD_DIM, 4, torch.float32, DEVICE)
+    ref.store_kv_reference(c.k_new, c.v_new, c.k_cache, c.v_cache, c.out_loc)
+    out = extend_attention(
+        c.q, c.k_cache, c.v_cache, c.page_table, c.ints(c.table_rows), c.ints(c.prefix_lens),
+        c.ints(c.extend_lens), c.ints(c.q_starts), 32, 0.3, block_m=16, block_n=16, group_rows=group_rows,
+    )  # max_extend past the longest request, as a prefill graph's bucket sizes the grid
+    expect = ref.paged_attention_reference(
+        c.q, c.k_cache, c.v_cache, c.page_table, c.table_rows, c.prefix_lens, c.extend_lens, 0.3
+    )
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)

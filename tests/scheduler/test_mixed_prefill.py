@@ -55,13 +55,22 @@ def test_mixed_steps_give_the_separate_steps_tokens(model_path, page_size, overl
     cache.check()
 
 
-def test_mixed_steps_under_page_pressure(model_path):
-    """Decoders that would need retraction do not ride along; the decode step retracts them as before."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_mixed_steps_under_page_pressure(model_path, overlap):
+    """Decoders that would need retraction do not ride along; the decode step retracts them as before (with
+    overlap scheduling, a prompt admitted while the step before runs leaves room for its tokens in flight)."""
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    expected = [o.token_ids for o in LLM(model_path, dtype="float32", page_size=1, num_pages=1000).generate(PROMPTS, params)]
-    tight = LLM(model_path, dtype="float32", page_size=1, num_pages=71, max_running_req=5, mixed_prefill=True)
+    base = LLM(model_path, dtype="float32", page_size=1, num_pages=1000)
+    expected = [o.token_ids for o in base.generate(PROMPTS, params)]
+    tight = LLM(model_path, dtype="float32", page_size=1, num_pages=71, max_running_req=5, mixed_prefill=True,
+                overlap_schedule=overlap)
+    retracted = []
+    retract = tight.scheduler._retract
+    tight.scheduler._retract = lambda req: retracted.append(req.uid) or retract(req)
     assert [o.token_ids for o in tight.generate(PROMPTS, params)] == expected
+    assert retracted  # the pool was tight enough to retract
     assert tight.scheduler.cache.num_free_pages == tight.scheduler.cache.num_total_pages
+    tight.scheduler.cache.check()
 
 
 def test_an_arriving_prompt_costs_the_running_request_no_step(model_path):

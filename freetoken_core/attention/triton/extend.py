@@ -8,6 +8,14 @@ One program per (request, query head, block of BLOCK_M rows); blocks past a requ
 exit at once. A block only walks keys up to its own last row (causal), and only
 the blocks of keys that overlap its own rows pay for the causal mask.
 
+A request of one row (a decoder riding in a mixed step, `mixed_prefill`, or a one-token chunk) is
+attended as the decode kernel does it: the program of the first query head of each KV head takes
+the GROUP query heads that share it as its block's rows (the others exit), so the request's keys
+are read once per KV head instead of once per query head. Why: a mixed step of 64 decoders and one
+128-token prompt spent 0.95 ms in this kernel on the Llama-3.2-1B shape (16 layers, 4 query heads a
+KV head), where a decode step of the same 64 spent 0.24 ms in the decode kernel (benchmarks/RESULTS.md,
+twenty-ninth session; `benchmarks/bench_mixed_attention.py` times the two paths).
+
 Reference: `reference.paged_attention_reference`.
 """
 
@@ -30,7 +38,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GROUP_ROWS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -38,17 +46,25 @@ def _extend_kernel(
     ext = tl.load(ExtendLens + b)
     if mb * BLOCK_M >= ext:
         return
+    # one row: the GROUP query heads of this KV head are the block's rows (in the first head's program)
+    one_row = ext == 1
+    if not GROUP_ROWS:
+        one_row = ext < 0
+    if one_row & (h % GROUP != 0):
+        return
+    r = tl.arange(0, BLOCK_M)
+    i = tl.where(one_row, 0, mb * BLOCK_M + r)  # the rows' offsets in the request
+    heads = tl.where(one_row, h + r, h)
+    i_valid = tl.where(one_row, r < GROUP, i < ext)
     prefix = tl.load(PrefixLens + b)
     q_start = tl.load(QStarts + b).to(tl.int64)
     table_row = tl.load(TableRows + b).to(tl.int64)
     kv_head = h // GROUP
 
-    i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-    i_valid = i < ext
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     rows = q_start + i
-    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+    q = tl.load(Q + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=i_valid[:, None] & d_valid[None, :], other=0.0)
     q_pos = prefix + i
     kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, ext)  # keys the block's last row can see
@@ -71,7 +87,7 @@ def _extend_kernel(
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
+    tl.store(Out + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=i_valid[:, None] & d_valid[None, :])
 
 
@@ -91,10 +107,12 @@ def extend_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    group_rows: bool = True,
 ) -> torch.Tensor:
     """q [T, H, D]; caches [pages, page_size, Hkv, D] (contiguous); table_rows, prefix_lens,
     extend_lens, q_starts [B] int32; max_extend = max(extend_lens) (sizes the grid).
-    Returns [T, H, D]."""
+    group_rows: one-row requests take a KV head's query heads in one program (False: one program a
+    query head, as longer requests; for benchmarks). Returns [T, H, D]."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0
@@ -122,6 +140,7 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP_ROWS=group_rows and 1 < num_heads // num_kv_heads <= block_m,
         # Measured on an H200 (8192-token causal prompt, 32 heads of 128, bf16): 64x64 tiles with
         # 4 warps and 3 stages ran 345 TFLOP/s, 8 warps with 2 stages 152.
         num_warps=num_warps or 4, num_stages=num_stages or (3 if on_gpu and block_d <= 128 else 2),
