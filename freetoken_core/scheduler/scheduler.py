@@ -235,8 +235,7 @@ class Scheduler:
 
     def _row_free(self) -> bool:
         """Whether a waiting request could be admitted at all. When every row is taken, planning a
-        prefill is pointless, and so is draining the step in flight for it (that would cost the
-        overlap of every step while requests queue)."""
+        prefill is pointless (a row frees when the step in flight commits a request's last token)."""
         return self.cache.num_free_rows > 0  # one row per admitted request, max_running_req rows
 
     def _decoders(self) -> list[Req]:
