@@ -6,6 +6,7 @@
     python benchmarks/pa_summary.py top DIR [N]    # py-spy raw profiles (gpu_perf_analyzer.sh PYSPY_OUT)
     python benchmarks/pa_summary.py stream1 localhost:8001 localhost:8002 REQUESTS OUT_TOKENS
     python benchmarks/pa_summary.py trace TRACE_JSON     # tritonserver --trace-config level=TIMESTAMPS output
+    python benchmarks/pa_summary.py targets AB_OUTPUT    # gpu_served_ab.sh's output against issue 13's targets
 
 `stream1` is where one stream's request time goes: REQUESTS requests one after another on one gRPC
 stream (the ensemble, as perf_analyzer's concurrency 1 sends them), timed by the client (send -> first
@@ -24,6 +25,11 @@ offset from the request's arrival (its GRPC_WAITREAD_END); prints the medians in
 streams spread over PROCESSES client processes (default: one per 8 streams, so the client is not the
 limit; it reports its own CPU use so that you can tell), each stream sending its next request as soon as
 the last one ended. Prints requests/s, SSE events (responses)/s, tokens/s, TTFT and inter-event p50/p99.
+
+`targets` reads what benchmarks/gpu_served_ab.sh printed (its in-process lines, before and after, and each
+setting's ensemble table) and says, per setting, the ratio served / mean in-process at each concurrency and
+whether issue 13's targets hold: >= 0.95 at 1, 16 and 64 streams, >= 8k responses/s at 64, <= 1.5 tokens a
+response at 16.
 
 perf_analyzer's --verbose-csv row has "Inferences/Second" (requests/s), "Response Throughput"
 (responses/s, decoupled models) and latency columns in microseconds; tokens per response =
@@ -335,7 +341,73 @@ def profile_top(folder: Path, n: int = 12) -> str:
     return "\n".join(out)
 
 
+RATIO_TARGET = 0.95  # served / in-process, at each of RATIO_STREAMS
+RATIO_STREAMS = (1, 16, 64)
+RESPONSES_TARGET = (64, 8000.0)  # ensemble responses/s at 64 streams
+TOKENS_A_RESPONSE_TARGET = (16, 1.5)  # mean tokens a response at 16 streams
+
+
+def parse_ab_output(text: str) -> tuple[dict[int, list[float]], dict[str, dict[int, dict[str, float]]]]:
+    """gpu_served_ab.sh's output -> (in-process tok/s runs per concurrency, {setting: {concurrency: ensemble row}}),
+    a row's fields: rps, responses, tokens_per_response, tok_s."""
+    inprocess: dict[int, list[float]] = {}
+    served: dict[str, dict[int, dict[str, float]]] = {}
+    setting = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("=== served "):
+            setting = line[line.find("[") + 1:line.rfind("]")] if "[" in line else line[len("=== served "):]
+            served.setdefault(setting, {})
+        elif line.startswith("=== "):
+            setting = None
+        elif "in-process LLM" in line and line.startswith("concurrency "):
+            c = int(line.split()[1].rstrip(":"))
+            inprocess.setdefault(c, []).append(float(line.split("in-process LLM")[1].split()[0]))
+        elif line.startswith("| ensemble |") and setting is not None:
+            cells = [x.strip() for x in line.strip("|").split("|")]
+            try:
+                rps, resp, tpr, toks = (float(cells[i]) for i in (2, 3, 4, 5))
+            except (ValueError, IndexError):  # "(no result: ...)"
+                continue
+            served[setting][int(cells[1])] = {"rps": rps, "responses": resp, "tokens_per_response": tpr, "tok_s": toks}
+    return inprocess, served
+
+
+def targets_report(text: str) -> str:
+    inprocess, served = parse_ab_output(text)
+    means = {c: sum(v) / len(v) for c, v in inprocess.items()}
+    out = []
+    for setting, rows in served.items():
+        out += [f"setting [{setting}]", "| streams | in-process runs | served tok/s | ratio | responses/s | tokens/response |",
+                "|---|---|---|---|---|---|"]
+        misses = []
+        for c in sorted(set(rows) | set(RATIO_STREAMS)):
+            row, mean = rows.get(c), means.get(c)
+            runs = " / ".join(f"{x:,.1f}" for x in inprocess.get(c, [])) or "-"
+            if row is None:
+                out.append(f"| {c} | {runs} | no result | - | - | - |")
+                if c in RATIO_STREAMS:
+                    misses.append(f"{c} streams: no served result")
+                continue
+            ratio = row["tok_s"] / mean if mean else float("nan")
+            out.append(f"| {c} | {runs} | {row['tok_s']:,.0f} | {ratio:.3f} | {row['responses']:,.0f} | "
+                       f"{row['tokens_per_response']:.2f} |")
+            if c in RATIO_STREAMS and not ratio >= RATIO_TARGET:
+                misses.append(f"{c} streams: ratio {ratio:.3f} < {RATIO_TARGET}")
+            if c == RESPONSES_TARGET[0] and row["responses"] < RESPONSES_TARGET[1]:
+                misses.append(f"{c} streams: {row['responses']:,.0f} responses/s < {RESPONSES_TARGET[1]:,.0f}")
+            if c == TOKENS_A_RESPONSE_TARGET[0] and row["tokens_per_response"] > TOKENS_A_RESPONSE_TARGET[1]:
+                misses.append(f"{c} streams: {row['tokens_per_response']:.2f} tokens a response > "
+                              f"{TOKENS_A_RESPONSE_TARGET[1]}")
+        out.append("targets: " + ("all met" if not misses else "MISSED: " + "; ".join(misses)))
+        out.append("")
+    return "\n".join(out) if served else "no served ensemble table in this output"
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "targets":
+        print(targets_report(Path(argv[1]).read_text()))
+        return 0
     if argv[0] == "top":
         print(profile_top(Path(argv[1]), int(argv[2]) if len(argv) > 2 else 12))
         return 0

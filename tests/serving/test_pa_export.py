@@ -73,3 +73,42 @@ def test_slow_spells_group_the_slow_requests_and_tell_a_stall_from_slow_steps(tm
     table = pa.slow_table([export], gpu=samples)
     assert "| run/ensemble-1.json | 1 | 10.00 | 0.30-0.52 | 2 | 15.00 | 1.50 | SM 1500 / 1550 MHz, 120 W" in table
     assert "(SM 1500 / 1790 MHz" in table
+
+
+AB_OUTPUT = """cpus: 16, commit: abc, sources: 123
+=== in-process smollm2-135m
+concurrency 1: in-process LLM   1400.0 output tok/s
+concurrency 16: in-process LLM  12000.0 output tok/s
+concurrency 64: in-process LLM  30000.0 output tok/s
+=== served smollm2-135m [defaults]
+| target | concurrency | requests/s | responses/s | tokens/response | tok/s | p50 ms | p99 ms |
+|---|---|---|---|---|---|---|---|
+| ensemble | 1 | 10.6 | 1357 | 1.00 | 1357 | 93.5 | 96.3 |
+| ensemble | 16 | 110.0 | 11000 | 1.28 | 14080 | 147.1 | 152.4 |
+| ensemble | 64 | 250.0 | 9000 | 3.56 | 32000 | 272.9 | 298.1 |
+=== served smollm2-135m [FREETOKEN_DETOK_MAX_INFLIGHT=8]
+| ensemble | 1 | 10.0 | 1280 | 1.00 | 1280 | 99.0 | 101.0 |
+| ensemble | 16 | 100.0 | 8000 | 1.60 | 12800 | 150.0 | 160.0 |
+| ensemble | 64 | (no result: see /tmp/x/ensemble-64.txt) |||||| 
+=== in-process smollm2-135m (again)
+concurrency 1: in-process LLM   1420.0 output tok/s
+concurrency 16: in-process LLM  14000.0 output tok/s
+concurrency 64: in-process LLM  34000.0 output tok/s
+"""
+
+
+def test_targets_read_the_ab_output_against_issue_13():
+    """Ratio = served / the mean of the in-process runs before and after; each setting's misses named."""
+    summary = load_benchmark("pa_summary")
+    inprocess, served = summary.parse_ab_output(AB_OUTPUT)
+    assert inprocess == {1: [1400.0, 1420.0], 16: [12000.0, 14000.0], 64: [30000.0, 34000.0]}
+    assert list(served) == ["defaults", "FREETOKEN_DETOK_MAX_INFLIGHT=8"]
+    assert 64 not in served["FREETOKEN_DETOK_MAX_INFLIGHT=8"]
+    report = summary.targets_report(AB_OUTPUT)
+    defaults, inflight = report.split("setting [")[1:]
+    assert "| 1 | 1,400.0 / 1,420.0 | 1,357 | 0.962 | 1,357 | 1.00 |" in defaults
+    assert "targets: all met" in defaults  # 0.962, 1.083, 1.000; 9,000 responses/s; 1.28 tokens a response
+    assert "1 streams: ratio 0.908 < 0.95" in inflight
+    assert "16 streams: ratio" not in inflight  # 12,800 / 13,000 = 0.985 meets it
+    assert "16 streams: 1.60 tokens a response > 1.5" in inflight
+    assert "64 streams: no served result" in inflight
