@@ -180,3 +180,53 @@ def test_prefill_steps_queue_behind_the_running_step(model_path, mixed):
     cache = llm.scheduler.cache
     assert cache.num_free_pages == cache.num_total_pages
     cache.check()
+
+
+# pools of 60 pages; mixed and separate steps; 1-7 aborts; seeds 3 and 14 retract
+@pytest.mark.parametrize("seed,retracts", [(3, True), (7, False), (14, True), (15, False)])
+def test_overlapped_steps_with_arrivals_aborts_and_retraction(model_path, seed, retracts):
+    """Random arrivals and aborts over an overlapped scheduler (prefill and mixed steps launched behind the step in
+    flight), some pools tight enough to retract: every request that is not aborted gets the tokens it gets alone,
+    and every page comes back."""
+    import random
+
+    from freetoken_core.config import EngineConfig
+    from freetoken_core.scheduler.scheduler import Scheduler
+
+    rng = random.Random(seed)
+    sched = Scheduler(EngineConfig(
+        model_path=str(model_path), dtype="float32", page_size=rng.choice([1, 4]), num_pages=rng.choice([60, 400]),
+        max_running_req=rng.choice([2, 4]), max_extend_tokens=rng.choice([8, 64]), mixed_prefill=rng.random() < 0.7,
+        overlap_schedule=True))
+    plan = [(rng.randrange(40), [rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 20),
+             rng.randrange(30) if rng.random() < 0.25 else None) for _ in range(12)]  # arrival, prompt, max, abort
+    retracted: list[int] = []
+    retract = sched._retract
+    sched._retract = lambda req: retracted.append(req.uid) or retract(req)
+    uids: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {}
+    finished: set[int] = set()
+    aborted: set[int] = set()
+    step = 0
+    while step <= 40 or sched.has_work():
+        for i, (arrival, prompt, max_tokens, abort_after) in enumerate(plan):
+            if arrival == step:
+                uids[i] = sched.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            if abort_after is not None and step == arrival + abort_after and uids[i] not in finished:
+                assert sched.abort(uids[i])
+                aborted.add(i)
+        for m in sched.step():
+            tokens.setdefault(m.uid, []).extend(m.next_tokens)
+            if m.finished:
+                finished.add(m.uid)
+        step += 1
+        assert step < 3000
+    assert finished == set(uids.values()) and aborted
+    assert bool(retracted) == retracts
+    solo = LLM(model_path, dtype="float32", page_size=4, num_pages=400)
+    for i, (_, prompt, max_tokens, _) in enumerate(plan):
+        if i not in aborted:
+            alone = solo.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].token_ids
+            assert tokens[uids[i]] == alone, f"request {i}"
+    assert sched.cache.num_free_pages == sched.cache.num_total_pages
+    sched.cache.check()
