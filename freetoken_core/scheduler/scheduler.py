@@ -204,8 +204,8 @@ class Scheduler:
         Why prefill steps no longer wait: served load brings prompts one at a time, and a step that
         waited for its predecessor left the device idle while the host planned and launched it, once
         per arriving prompt and once per request whose last token was in flight. On the H200 that was
-        the served 64-stream gap: Llama-3.2-1B shape 28.3k -> 41.2k tok/s with this (benchmarks/RESULTS.md,
-        twenty-ninth session)."""
+        the served 64-stream gap: Llama-3.2-1B shape 28.3k tok/s before, 41.2k with this (one run each,
+        benchmarks/RESULTS.md, twenty-ninth session)."""
         msgs, self._outbox = self._outbox, []
         self._step_reqs, self._step_msgs = [], msgs
         decoders = self._decoders()
