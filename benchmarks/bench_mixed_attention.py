@@ -18,6 +18,7 @@ The grouped and ungrouped outputs are checked against each other first.
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import torch
 
@@ -26,17 +27,14 @@ from bench_gemv import graph_time_us
 from freetoken_core.attention.triton.decode import alloc_partials, alloc_split_counters, decode_attention, num_kv_splits
 from freetoken_core.attention.triton.extend import extend_attention
 from freetoken_core.engine.prefill_graph import prefill_graph_buckets
+from freetoken_core.models.blocks import head_dim_of
 
 PAGE_SIZE = 16
 
 
-def heads_of(shape: dict) -> tuple[int, int, int]:
-    heads = shape["num_attention_heads"]
-    return heads, shape["num_key_value_heads"], shape.get("head_dim") or shape["hidden_size"] // heads
-
-
 def run_shape(name: str, decoders: int, context: int, prompt: int, slots: int, layers: int) -> str:
-    heads, kv_heads, dim = heads_of(SHAPES[name])
+    config = SimpleNamespace(**SHAPES[name])
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
     dev, dt = torch.device("cuda"), torch.bfloat16
     # decoders: `context` cached keys + their one row; the prompt: no prefix, `prompt` rows
     prefix = [context] * decoders + [0]

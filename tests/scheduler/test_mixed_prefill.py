@@ -4,6 +4,8 @@ arriving prompt no longer costs the running requests a step."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from freetoken_core import LLM, SamplingParams
@@ -36,6 +38,14 @@ def _record_batches(llm: LLM) -> list[tuple[str, list[int]]]:
     return seen
 
 
+def _record_retractions(sched) -> list[int]:
+    """The uid of every request the scheduler retracts, in order."""
+    retracted: list[int] = []
+    retract = sched._retract
+    sched._retract = lambda req: retracted.append(req.uid) or retract(req)
+    return retracted
+
+
 def _mixed_steps(batches) -> int:
     return sum(1 for phase, lens in batches if phase == "prefill" and lens and lens[0] == 1 and max(lens) > 1)
 
@@ -64,9 +74,7 @@ def test_mixed_steps_under_page_pressure(model_path, overlap):
     expected = [o.token_ids for o in base.generate(PROMPTS, params)]
     tight = LLM(model_path, dtype="float32", page_size=1, num_pages=71, max_running_req=5, mixed_prefill=True,
                 overlap_schedule=overlap)
-    retracted = []
-    retract = tight.scheduler._retract
-    tight.scheduler._retract = lambda req: retracted.append(req.uid) or retract(req)
+    retracted = _record_retractions(tight.scheduler)
     assert [o.token_ids for o in tight.generate(PROMPTS, params)] == expected
     assert retracted  # the pool was tight enough to retract
     assert tight.scheduler.cache.num_free_pages == tight.scheduler.cache.num_total_pages
@@ -145,10 +153,11 @@ def _record_reads(llm: LLM) -> list[tuple[str, int, set[int]]]:
     events: list[tuple[str, int, set[int]]] = []
     engine = llm.scheduler.engine
     launch = engine.launch
+    numbers = itertools.count()
 
     def recording(batch, *a, **kw):
         step = launch(batch, *a, **kw)
-        n, uids = len([e for e in events if e[0] == "launch"]), {r.uid for r in batch.reqs}
+        n, uids = next(numbers), {r.uid for r in batch.reqs}
         events.append(("launch", n, uids))
         result = step.result
         step.result = lambda: events.append(("read", n, uids)) or result()
@@ -200,9 +209,7 @@ def test_overlapped_steps_with_arrivals_aborts_and_retraction(model_path, seed, 
         overlap_schedule=True))
     plan = [(rng.randrange(40), [rng.randrange(3, 250) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 20),
              rng.randrange(30) if rng.random() < 0.25 else None) for _ in range(12)]  # arrival, prompt, max, abort
-    retracted: list[int] = []
-    retract = sched._retract
-    sched._retract = lambda req: retracted.append(req.uid) or retract(req)
+    retracted = _record_retractions(sched)
     uids: dict[int, int] = {}
     tokens: dict[int, list[int]] = {}
     finished: set[int] = set()
