@@ -18,14 +18,15 @@ split per BLOCK_N keys), so a request far shorter than the graph's capture-time 
 splits and its merge reads only the partials it wrote; a request of one block writes its output
 directly and its merge program exits at once.
 
-Merging the splits: by default (`fused_merge`, FREETOKEN_DECODE_FUSED_MERGE) inside kernel 1, by the
-split that finishes last: each split, after storing its partial, takes a ticket from a
+Merging the splits: by default kernel 2 merges them (a second launch). With `fused_merge`
+(FREETOKEN_DECODE_FUSED_MERGE=1; off: within the noise of the merge launch on the H200, once slower and
+once faster at batch 1, benchmarks/RESULTS.md eleventh and thirteenth sessions) kernel 1 merges them, by
+the split that finishes last: each split, after storing its partial, takes a ticket from a
 per-(request, KV head) counter (a CTA barrier, then one acq_rel atomic: CUTLASS's split-K semaphore
 pattern); the split that draws active - 1 reads the active partials back from L2 (.cg), writes the
 output and resets the counter to 0 for the next launch (the next layer, the next graph replay). So
-decode attention is one launch at any length while the split count stays the host's capture-time
-constant. Otherwise kernel 2 merges them (a second launch). The counters ([B * Hkv] int32, zero)
-are static graph buffers (backend.py) or allocated here.
+decode attention is then one launch at any length while the split count stays the host's capture-time
+constant. The counters ([B * Hkv] int32, zero) are static graph buffers (backend.py) or allocated here.
 
 Reference: `reference.paged_attention_reference` with extend_lens = [R] * B.
 """
