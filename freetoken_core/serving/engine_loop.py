@@ -62,6 +62,10 @@ class LoopOptions:
     # a stream may have max_inflight responses in flight across several instances, and its last response
     # never waits for an ack
     send_order: bool = False
+    # > 0 (with send_order): responses this instance's ordered streams may have unacked together, shared out among
+    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight) (params.py
+    # detok_inflight_budget)
+    inflight_budget: int = 0
     # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
     # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)
     inline_send_max: int = 2

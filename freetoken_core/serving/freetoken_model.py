@@ -21,7 +21,7 @@ from freetoken_core.serving.faults import InjectedFault, install_fault_hook, par
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
     engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
-    serving_options, stream_interval,
+    inflight_budget, serving_options, stream_interval,
 )
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
@@ -82,6 +82,15 @@ def send_order_enabled(option: float, model_dir: str) -> bool:
                     "config.pbtxt, as `freetoken-core serve` does, or set detok_send_order to 0)")
         return False
     return True
+
+
+def ordered_inflight_budget(budget: int, send_order: bool) -> int:
+    """This instance's part of detok_inflight_budget as it applies: 0 without detok_send_order, where a larger
+    window could let a stream's responses overtake each other across detokenizer instances (logged)."""
+    if budget and not send_order:
+        log.warning("detok_inflight_budget needs detok_send_order (and a decoupled detokenizer): ignored")
+        return 0
+    return budget
 
 
 def load_identity(args: dict[str, Any]) -> str:
@@ -155,6 +164,7 @@ class FreetokenModel:
         config = engine_config_from_params(params)
         log.info("starting engine: %s", config)
         instances = model_instance_count(model_config)
+        budget = inflight_budget(self.options, instances)  # checked before the engine starts
         if instances > 1 and not self.options["engine_process"]:
             raise ValueError(f"{self.model_name} has {instances} instances (instance_group count), which share one "
                              "engine process: set engine_process=1, or use one instance")
@@ -198,6 +208,7 @@ class FreetokenModel:
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
                 max_inflight=max_inflight(self.options["detok_max_inflight"], model_dir, send_order),
+                inflight_budget=ordered_inflight_budget(budget, send_order),
                 sender_threads=sender_threads(self.options),
                 send_order=send_order,
             ),

@@ -44,6 +44,14 @@ SERVING_DEFAULTS: dict[str, str] = {
     # detokenizer instance (one queue: in order anyway), else 1 (what keeps a stream in order across several
     # instances). While a stream is at the limit its tokens wait and merge into its next response.
     "detok_max_inflight": "0",
+    # > 0 (with detok_send_order): responses the server's streams may have in the detokenizers' queues together,
+    # shared by the streams in flight, so that few streams get more each: a stream's window is then
+    # max(detok_max_inflight, this / the streams in flight). Each `freetoken` instance shares out its part (this /
+    # the instance count) among its own streams. E.g. 128: 8 a stream at 16 streams, the fixed window from 32 on,
+    # so many streams keep today's queue length (a longer queue there only adds waiting: the detokenizers are at
+    # capacity) while few can use the detokenizers' spare capacity. 0 = off (the fixed window): not yet measured on
+    # the GPU (benchmarks/RESULTS.md, thirty-first session).
+    "detok_inflight_budget": "0",
     # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
     # stream's last response never waits for an ack. Only with the decoupled detokenizer (the default): with a
@@ -214,6 +222,15 @@ def send_unasked_outputs(params: Mapping[str, str]) -> bool:
     if value not in ("all", "asked"):
         raise ValueError(f"serving parameter optional_outputs must be 'all' or 'asked', got {value!r}")
     return value == "all"
+
+
+def inflight_budget(options: Mapping[str, float], instances: int) -> int:
+    """detok_inflight_budget: this `freetoken` instance's part of it, rounded up (0 = off)."""
+    value = options["detok_inflight_budget"]
+    if value != int(value) or not 0 <= value <= 1 << 20:
+        raise ValueError(f"serving parameter detok_inflight_budget must be a whole number from 0 (off) to {1 << 20}, "
+                         f"got {value:g}")
+    return -(-int(value) // max(instances, 1)) if value else 0
 
 
 def stream_interval(options: Mapping[str, float]) -> int:

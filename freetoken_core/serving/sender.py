@@ -15,6 +15,9 @@ returned). With `send_order` the instances keep that order themselves (serving/s
 sender gives each acked stream a slot of the order table and numbers all its responses, the last one
 too, so a stream may have max_inflight in flight and its last response never waits for an ack.
 
+With an inflight budget (`detok_inflight_budget`) an ordered stream's window grows when the instance has few
+streams in flight: the budget shared among them, never below max_inflight.
+
 Every REPORT_INTERVAL_S while it sends, the thread logs its rate and where a response's time goes
 (`send()` itself, the ack round trip through the ensemble, and a stream's first response split into the
 engine thread's wake-up, the engine's time to the first token and the hand-off to this thread), so a served
@@ -254,7 +257,11 @@ class ResponseSender:
                 self._send_due(now)
                 if now - self._report.t0 >= REPORT_INTERVAL_S:
                     if self._report.responses:
-                        log.info("%s", self._report.line(now))
+                        line = self._report.line(now)
+                        if self.opt.inflight_budget > 0:  # what the budget gives a stream now
+                            line += (f", window {self._ordered_window()} a stream ({len(self._acked_streams)} "
+                                     f"streams in flight here)")
+                        log.info("%s", line)
                     self._report = SenderReport(t0=now)
                 if self._stopping:
                     return
@@ -313,8 +320,10 @@ class ResponseSender:
                 return False
         if st.order_slot is not None and finished:
             return True  # the detokenizer keeps it behind the stream's earlier responses: no ack to wait for
-        # a stream without a slot (the table was full) keeps its order the old way: one in flight
-        window = self.opt.max_inflight if self._slots is None or st.order_slot is not None else 1
+        if st.order_slot is not None:
+            window = self._ordered_window()
+        else:  # a stream without a slot (the table was full) keeps its order the old way: one in flight
+            window = self.opt.max_inflight if self._slots is None else 1
         if not st.unacked or len(st.unacked) < window:
             return True
         # acks lost (or a detokenizer that sends none): such a response counts as delivered
@@ -329,6 +338,14 @@ class ResponseSender:
                         "control, so responses of one stream may overtake each other across instances")
             self._flow_control = False
         return len(st.unacked) < window
+
+    def _ordered_window(self) -> int:
+        """How many responses an ordered stream may have unacked: max_inflight, or with an inflight budget its
+        share of it among this instance's streams in flight (few streams: more each; many: max_inflight)."""
+        budget = self.opt.inflight_budget
+        if budget <= 0:
+            return self.opt.max_inflight
+        return max(self.opt.max_inflight, budget // max(len(self._acked_streams), 1))
 
     def _drain_acks(self) -> None:
         streams = self._acked_streams

@@ -77,20 +77,22 @@ def ordered_out(smollm2_path, tmp_path_factory):
     responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the waiters on
     the engine process's pipe spin before they block (idle_spin_us), the engine process runs on a CPU of its own
     with the rest of the server on the others (engine_cpus, where the host has two or more), the optional
-    outputs go only to clients that ask for them (optional_outputs=asked), and two send workers share the
-    numbered responses (sender_threads=2: each stream on one worker, beside the order table)."""
+    outputs go only to clients that ask for them (optional_outputs=asked), two send workers share the
+    numbered responses (sender_threads=2: each stream on one worker, beside the order table), and an inflight
+    budget (detok_inflight_budget=64: 4 a stream while 16 or more run, up to 64 for the last one)."""
     workdir = tmp_path_factory.mktemp("triton-ordered")
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus = str(cpus[-1]) if len(cpus) > 1 else ""
     handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
                            {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus,
-                            "optional_outputs": "asked", "sender_threads": "2"})
+                            "optional_outputs": "asked", "sender_threads": "2", "detok_inflight_budget": "64"})
     assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
     from freetoken_core.serving.launcher import get_parameter
 
     freetoken_config = (workdir / "repo" / "freetoken" / "config.pbtxt").read_text()
     assert get_parameter(freetoken_config, "detok_send_order") == "1"
     assert get_parameter(freetoken_config, "sender_threads") == "2"
+    assert get_parameter(freetoken_config, "detok_inflight_budget") == "64"
     if engine_cpus:
         assert f"engine process on CPU(s) {engine_cpus}" in (workdir / "tritonserver.log").read_text()
         assert os.sched_getaffinity(handle.process.pid) == set(cpus[:-1])

@@ -143,17 +143,39 @@ def test_engine_numbers_each_streams_responses_and_keeps_several_in_flight(llm):
     run_acked_streams(llm, prompts, params, transport, LoopOptions(max_inflight=4, send_order=True),
                       before_stop=slots_come_back)
     assert transport.most_unacked == 4  # the window filled, and no fifth went out while it was full
+    assert len(assert_numbered_and_exact(llm, transport, expected)) == len(prompts)  # one slot per stream
+
+
+def assert_numbered_and_exact(llm, transport, expected) -> set[int]:
+    """Each stream: one FINAL response, last; its responses numbered 0, 1, ... (the last one included); its
+    tokens and text exactly the offline run's. Returns the order slots the streams used."""
     slots = set()
     for i, exp in enumerate(expected):
         responses = transport.sent[f"h{i}"]
         assert [final for _, _, final in responses].count(True) == 1 and responses[-1][2]
         orders = [order_of(out) for out, _, _ in responses]
         assert all(o is not None for o in orders)
-        assert [o[3] for o in orders] == list(range(len(responses)))  # seq 0, 1, ... the last one included
+        assert [o[3] for o in orders] == list(range(len(responses)))
         slots |= {o[1] for o in orders}
         metas = [read_ensemble_meta(out["meta"]) for out, _, _ in responses]
         assert [t for m in metas for t in m.next_tokens.tolist()] == exp.token_ids
         text = "".join(detokenize_response(llm.tokenizer, out)["text_output"][0].decode("utf-8")
                        for out, _, _ in responses)
         assert text == exp.text
-    assert len(slots) == len(prompts)  # one slot per stream
+    return slots
+
+
+@pytest.mark.parametrize("streams,budget,window", [(2, 16, 8), (3, 16, 5), (2, 4, 4)])
+def test_an_inflight_budget_gives_few_streams_a_larger_window(llm, streams, budget, window):
+    """detok_inflight_budget: an ordered stream may have max(max_inflight, budget // the instance's streams in
+    flight) responses unacked: 16 shared by 2 streams is 8 each, by 3 is 5, and a budget below max_inflight
+    streams changes nothing. The detokenizer here holds its acks until a stream has `window` unacked, so a
+    response sent past the window shows in most_unacked, and a window that never fills in most_unacked too."""
+    prompts = ["Write one sentence about cats.", "数到五", "List three colours."][:streams]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    expected = llm.generate(prompts, params)
+    transport = AcksHeldUntilWindowFull(window=window)
+    run_acked_streams(llm, prompts, params, transport,
+                      LoopOptions(max_inflight=4, send_order=True, inflight_budget=budget))
+    assert transport.most_unacked == window
+    assert_numbered_and_exact(llm, transport, expected)
