@@ -62,8 +62,9 @@ class EngineClient:
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
                  ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
-                 idle_spin_s: float = 0.0) -> None:
+                 idle_spin_s: float = 0.0, gc_freeze: bool = True) -> None:
         """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started).
+        gc_freeze: the child freezes its start-up heap (serving/gc_freeze.py).
         idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
         SPIN_MAX_ACTIVE requests are in flight (serving/spin.py). The child's options are the owner's: a member of a
         shared engine joins it as it runs."""
@@ -83,7 +84,7 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s))
+            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s, gc_freeze))
         else:
             self._connect(share, member_ready_timeout_s)
 

@@ -22,6 +22,7 @@ from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_process
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
+from freetoken_core.serving.gc_freeze import freeze_startup_heap
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
 from freetoken_core.serving.report import REPORT_INTERVAL_S, percentile
 from freetoken_core.serving.spin import spin_until
@@ -76,6 +77,7 @@ class ChildOptions:
     ring_bytes: int = 0  # engine_msg_ring_kib: each instance's shared-memory message ring (0: the pipe)
     engine_cpus: frozenset[int] = frozenset()  # engine_cpus: the CPUs this process moves onto (empty: stays)
     idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/spin.py)
+    gc_freeze: bool = True  # gc_freeze: this process's start-up heap out of the garbage collector's way (gc_freeze.py)
 
 
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
@@ -95,6 +97,8 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         info = {"anchors": anchors, "stats": sched.stats(), "max_req_len": sched.max_req_len, "index": 0}
         listener = Listener(listen[0], family="AF_UNIX", authkey=listen[1]) if listen is not None else None
         ring = make_ring(options.ring_bytes)
+        if options.gc_freeze:  # the model, its graphs and warm-up are in place: what lives now lives as long
+            freeze_startup_heap("engine process")
         out_conn.send(("ready", {**info, "ring": ring.path if ring is not None else None}))
     except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
         log.exception("the engine failed to start")

@@ -18,6 +18,7 @@ import numpy as np
 from freetoken_core.serving.cpu_affinity import engine_cpus_of_model
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
+from freetoken_core.serving.gc_freeze import freeze_startup_heap, gc_freeze_wanted
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
     engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
@@ -165,6 +166,7 @@ class FreetokenModel:
         log.info("starting engine: %s", config)
         instances = model_instance_count(model_config)
         budget = inflight_budget(self.options, instances)  # checked before the engine starts
+        gc_freeze = gc_freeze_wanted(self.options["gc_freeze"])
         if instances > 1 and not self.options["engine_process"]:
             raise ValueError(f"{self.model_name} has {instances} instances (instance_group count), which share one "
                              "engine process: set engine_process=1, or use one instance")
@@ -183,7 +185,7 @@ class FreetokenModel:
             ring_bytes, ring_poll_s = msg_ring(self.options)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
                                       ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
-                                      idle_spin_s=idle_spin(self.options))
+                                      idle_spin_s=idle_spin(self.options), gc_freeze=gc_freeze)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 
@@ -226,6 +228,8 @@ class FreetokenModel:
             self.loop.stop(timeout=5.0)
             raise
         log.info("engine ready: %d KV pages of %d tokens", stats.num_total_pages, stats.page_size)
+        if gc_freeze:
+            freeze_startup_heap(f"{self.model_name} instance")
 
     def _unload_self(self, reason: str) -> None:
         """The device is unusable: unload this model (and the ensemble that needs it), so its ready

@@ -116,11 +116,12 @@ def render_repository(dest: Path, overrides: Mapping[str, str], environ: Mapping
     for key, value in values.items():
         text = set_parameter(text, key, str(value))
     cfg_path.write_text(text)
-    # tokenizer and detokenizer load the same tokenizer files as the engine
+    # tokenizer and detokenizer load the same tokenizer files as the engine, and freeze their start-up heap as it does
     model_path = get_parameter(text, "model_path") or ""
+    gc_freeze = get_parameter(text, "gc_freeze") or "1"
     for model in ("tokenizer", "detokenizer"):
         p = dest / model / "config.pbtxt"
-        p.write_text(set_parameter(p.read_text(), "model_path", model_path))
+        p.write_text(set_parameter(set_parameter(p.read_text(), "model_path", model_path), "gc_freeze", gc_freeze))
     engine_process = float(get_parameter(text, "engine_process") or 1) != 0
     engine_cpus = get_parameter(text, "engine_cpus") or ""
     if engine_cpus.strip():  # "auto" becomes the list it means here, where the whole host is in view

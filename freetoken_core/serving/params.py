@@ -85,6 +85,11 @@ SERVING_DEFAULTS: dict[str, str] = {
     # instances of 2 send threads answered 11.2-11.5k responses/s at 64 streams against 7.1k (and a run with no
     # result) for 6 of 1, at 1.38-1.40 tokens a response at 16 streams (RESULTS.md, twenty-eighth session).
     "sender_threads": "0",
+    # 1: each served process (engine process, `freetoken`, tokenizer and detokenizer stubs) moves what is alive
+    # when its start-up ends out of the cyclic garbage collector's way (gc.freeze, serving/gc_freeze.py): a full
+    # collection walked ~300k start-up objects, 143-153 ms with the SmolLM2 engine on the CPU box, ~0 ms after; 0:
+    # Python's collector as it is. `serve` copies it to the text models' configs.
+    "gc_freeze": "1",
 }
 
 

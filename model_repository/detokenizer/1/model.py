@@ -15,6 +15,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter, channel_dir
+from freetoken_core.serving.gc_freeze import freeze_text_model
 from freetoken_core.serving.send_order import SendOrder
 from freetoken_core.serving.text_models import (
     cancel_key_of, detokenize_response, ensemble_meta_of, forward_cancel, is_probe,
@@ -33,6 +34,7 @@ class TritonPythonModel:
         self.acks = AckSender()
         self.order = SendOrder(channel_dir)  # a stream's responses in order across instances (detok_send_order)
         self._last_meta = (None, None)  # (inputs, their meta) of the response being sent
+        freeze_text_model(args, "detokenizer")
 
     def _detokenize(self, request, tensors):
         # the client cancelled the ensemble: stop the engine too (probes come rate-limited by the engine)

@@ -2,6 +2,7 @@
 
 import triton_python_backend_utils as pb_utils
 
+from freetoken_core.serving.gc_freeze import freeze_text_model
 from freetoken_core.serving.text_models import tokenize_request
 from freetoken_core.serving.triton_io import model_tokenizer, respond_each
 
@@ -11,6 +12,7 @@ INPUTS = ("text_input", "messages", "apply_chat_template", "stop_words")
 class TritonPythonModel:
     def initialize(self, args):
         self.tok = model_tokenizer(args)
+        freeze_text_model(args, "tokenizer")
 
     def execute(self, requests):
         return respond_each(pb_utils, requests, INPUTS, lambda request, tensors: tokenize_request(self.tok, tensors))
