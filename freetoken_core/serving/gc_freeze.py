@@ -4,10 +4,10 @@
 Every served process (the engine process, the `freetoken`, tokenizer and detokenizer stubs) ends its start-up with
 ~300k objects the cyclic collector tracks (torch, transformers, the model's modules); a full (generation 2)
 collection walks all of them while the process's threads wait: 143-153 ms in a process holding the SmolLM2 engine
-(313k objects) on the 2-core CPU box (benchmarks/RESULTS.md, thirty-first session). What is alive when start-up ends lives as long as the
-process, so it moves to the permanent generation (`gc.freeze`) then, after one collection that clears start-up's
-garbage; later full collections walk only what the process made since (~0 ms there). Reference counting frees
-everything as before: freezing only stops the collector from walking those objects again.
+(313k objects) on the 2-core CPU box (benchmarks/RESULTS.md, thirty-first session). What is alive when start-up
+ends lives as long as the process, so it moves to the permanent generation (`gc.freeze`) then, after one
+collection that clears start-up's garbage; later full collections walk only what the process made since (~0 ms
+there). Reference counting frees everything as before: freezing only stops the collector walking those objects.
 
 `gc_freeze` (a serving parameter of the `freetoken` model, `FREETOKEN_GC_FREEZE`; `serve` copies it to the text
 models): 1 (the default) freezes, 0 leaves the collector as Python sets it.
