@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Any, Mapping
 
+from freetoken_core.serving.params import parse_model_config_params
+
 log = logging.getLogger(__name__)
 
 
@@ -48,9 +50,6 @@ def gc_freeze_wanted(value: str | float | None) -> bool:
 def freeze_text_model(args: Mapping[str, Any], where: str) -> None:
     """A text model's initialize(), once its tokenizer is loaded: freeze unless its config says gc_freeze=0 (and
     log it as the freetoken model logs, so that the server's log shows every process's line)."""
-    import json
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    params = json.loads(args["model_config"]).get("parameters", {})
-    if gc_freeze_wanted(params.get("gc_freeze", {}).get("string_value")):
+    if gc_freeze_wanted(parse_model_config_params(args["model_config"]).get("gc_freeze")):
         freeze_startup_heap(where)
