@@ -87,9 +87,10 @@ def send_order_enabled(option: float, model_dir: str) -> bool:
 
 def ordered_inflight_budget(budget: int, send_order: bool) -> int:
     """This instance's part of detok_inflight_budget as it applies: 0 without detok_send_order, where a larger
-    window could let a stream's responses overtake each other across detokenizer instances (logged)."""
+    window could let a stream's responses overtake each other across detokenizer instances (logged; not a warning:
+    the budget is on by default, and turning send order off is a choice of its own)."""
     if budget and not send_order:
-        log.warning("detok_inflight_budget needs detok_send_order (and a decoupled detokenizer): ignored")
+        log.info("detok_inflight_budget applies only with detok_send_order (and a decoupled detokenizer): off")
         return 0
     return budget
 

@@ -245,15 +245,16 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
 
 
 def test_inflight_budget_is_shared_out_per_instance_and_needs_send_order():
-    """detok_inflight_budget (off by default): each `freetoken` instance gets its part, rounded up; without
+    """detok_inflight_budget (128 by default, 0 off): each `freetoken` instance gets its part, rounded up; without
     detok_send_order it is ignored (a larger window could reorder a stream across detokenizer instances)."""
     from freetoken_core.serving.freetoken_model import ordered_inflight_budget
     from freetoken_core.serving.params import inflight_budget
 
-    assert serving_options({})["detok_inflight_budget"] == 0
-    assert inflight_budget(serving_options({}), 8) == 0
-    options = serving_options({"detok_inflight_budget": "128"})
-    assert [inflight_budget(options, n) for n in (1, 8, 6, 0)] == [128, 16, 22, 128]
+    assert serving_options({})["detok_inflight_budget"] == 128
+    assert [inflight_budget(serving_options({}), n) for n in (1, 8, 6, 0)] == [128, 16, 22, 128]
+    assert inflight_budget(serving_options({"detok_inflight_budget": "0"}), 8) == 0
+    options = serving_options({"detok_inflight_budget": "64"})
+    assert [inflight_budget(options, n) for n in (1, 8, 6)] == [64, 8, 11]
     assert ordered_inflight_budget(16, send_order=True) == 16 and ordered_inflight_budget(16, send_order=False) == 0
     for bad in ("-1", "2.5"):
         with pytest.raises(ValueError, match="detok_inflight_budget"):
