@@ -24,7 +24,7 @@ from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
 from freetoken_core.serving.gc_freeze import freeze_startup_heap
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
-from freetoken_core.serving.report import REPORT_INTERVAL_S, percentile
+from freetoken_core.serving.report import REPORT_INTERVAL_S, configure_logging, percentile
 from freetoken_core.serving.spin import spin_until
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class ChildOptions:
 
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
                 listen: tuple[str, bytes] | None = None, options: ChildOptions = ChildOptions()) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    configure_logging("[engine]")
     ring = None
     try:
         if options.engine_cpus:  # before the model loads: every thread started from here on stays there too

@@ -24,6 +24,7 @@ from freetoken_core.serving.params import (
     engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
     inflight_budget, serving_options, stream_interval,
 )
+from freetoken_core.serving.report import configure_logging
 from freetoken_core.serving.request import parse_request
 from freetoken_core.serving.triton_io import input_arrays
 
@@ -154,7 +155,7 @@ class TritonTransport:
 
 class FreetokenModel:
     def __init__(self, pb_utils: Any, args: dict[str, Any]) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        configure_logging()
         self.pb = pb_utils
         self.model_name = args.get("model_name", "freetoken")
         model_config = json.loads(args["model_config"])

@@ -21,6 +21,7 @@ import time
 from typing import Any, Mapping
 
 from freetoken_core.serving.params import parse_model_config_params
+from freetoken_core.serving.report import configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,6 @@ def gc_freeze_wanted(value: str | float | None) -> bool:
 def freeze_text_model(args: Mapping[str, Any], where: str) -> None:
     """A text model's initialize(), once its tokenizer is loaded: freeze unless its config says gc_freeze=0 (and
     log it as the freetoken model logs, so that the server's log shows every process's line)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if gc_freeze_wanted(parse_model_config_params(args["model_config"]).get("gc_freeze")):
         freeze_startup_heap(where)

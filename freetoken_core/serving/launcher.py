@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 from freetoken_core.serving.cpu_affinity import (engine_cpus_of_model, format_cpu_list, keep_off, parse_cpu_list,
                                                  resolve_engine_cpus)
 from freetoken_core.serving.params import all_param_names, env_overrides
+from freetoken_core.serving.report import configure_logging
 from freetoken_core.serving.tritonserver import find_tritonserver, server_env
 
 log = logging.getLogger(__name__)
@@ -393,7 +394,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def serve_main(args: argparse.Namespace) -> int:
     """Run the server in the foreground until Ctrl-C (or SIGTERM)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     overrides = {
         "model_path": args.model_path, "dtype": args.dtype, "device": args.device,
         "max_running_req": args.max_running_req, "page_size": args.page_size,
