@@ -49,10 +49,10 @@ SERVING_DEFAULTS: dict[str, str] = {
     # max(detok_max_inflight, this / the streams in flight). Each `freetoken` instance shares out its part (this /
     # the instance count) among its own streams. E.g. 128: 8 a stream at 16 streams, the fixed window from 32 on,
     # so many streams keep today's queue length (a longer queue there only adds waiting: the detokenizers are at
-    # capacity) while few can use the detokenizers' spare capacity. 0 = off (the fixed window). On by default since
-    # the thirty-second session on a prediction, not a measurement (no device was lent for three sessions): it
-    # changes only runs of fewer than 32 streams, where the H200's 16-stream runs answered 9.1-10.7k responses/s
-    # with 64 in flight against 10.8-11.3k at 64 streams (benchmarks/RESULTS.md, thirty-second session).
+    # capacity) while few can use the detokenizers' spare capacity. 0 = off (the fixed window). On by default: on the
+    # H200 at 16 streams, Llama-3.2-1B shape, 1.09 tokens a response at 11.7k responses/s against 1.22 at 10.5k off,
+    # the same tok/s and latency, one stream the same; SmolLM2 shape 1.26 where the last run without it read 1.55
+    # (benchmarks/RESULTS.md, thirty-third session).
     "detok_inflight_budget": "128",
     # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
