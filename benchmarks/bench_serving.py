@@ -92,10 +92,18 @@ def make_prompts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
 
 
 def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
-                  rounds: int = 3) -> float:
-    """Output tok/s of LLM.generate over all prompts, the median of `rounds` timed runs. The warm-up is a
-    full wave (every prefill and decode batch size of the timed runs compiles before them): with only
-    two warm-up prompts, one run at 64 streams measured anywhere from 17k to 35k tok/s on the H200."""
+                  rounds: int = 3, window_s: float = 0.0, stability: float = 0.10, max_windows: int = 10) -> float:
+    """Output tok/s of LLM.generate over all prompts. The warm-up is a full wave (every prefill and decode batch
+    size of the timed runs compiles before them): with only two warm-up prompts, one run at 64 streams measured
+    anywhere from 17k to 35k tok/s on the H200.
+
+    window_s == 0: the median of `rounds` timed runs over the prompts.
+    window_s > 0: perf_analyzer's measurement, in-process (the served side's rows are measured so): each window
+    runs LLM.generate over the prompts again and again until window_s has passed, windows repeat until the last
+    `rounds` of them agree within `stability` of their mean (at most max_windows), and the rate is their mean.
+    Why: one ~1 s run at 64 streams swung by up to a third on the H200 hosts (twenty-ninth session, 26.7k-37.8k
+    tok/s in one engine), and a ratio against one such run measured the host as much as the served path."""
+    import gc
     import statistics
 
     from freetoken_core.config import SamplingParams
@@ -104,14 +112,46 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
     llm = LLM(model_path, max_running_req=concurrency, **engine_kw)
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     llm.generate(prompts[:concurrency], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
-    rates = []
-    for _ in range(max(rounds, 1)):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
-        rates.append(sum(len(o.token_ids) for o in outs) / dt)
+    full_gcs: list[float] = []  # what each full (generation 2) collection during the timed runs took, s
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info.get("generation") == 2:
+            if phase == "start":
+                started.append(time.perf_counter())
+            elif started:
+                full_gcs.append(time.perf_counter() - started.pop())
+
+    def timed(min_s: float) -> float:
+        tokens, t0 = 0, time.perf_counter()
+        while True:
+            tokens += sum(len(o.token_ids) for o in llm.generate(prompts, params))
+            dt = time.perf_counter() - t0
+            if dt >= min_s:
+                return tokens / dt
+
+    rates: list[float] = []
+    gc.callbacks.append(on_gc)
+    try:
+        if window_s <= 0:
+            rates = [timed(0.0) for _ in range(max(rounds, 1))]
+            rate = statistics.median(rates)
+        else:
+            need = max(rounds, 1)
+            while len(rates) < max(need, max_windows):
+                rates.append(timed(window_s))
+                last = rates[-need:]
+                mean = sum(last) / len(last)
+                if len(last) == need and all(abs(r - mean) <= stability * mean for r in last):
+                    break
+            rate = sum(rates[-need:]) / len(rates[-need:])
+    finally:
+        gc.callbacks.remove(on_gc)
+    print(f"concurrency {concurrency}: in-process runs " + " / ".join(f"{r:.1f}" for r in rates)
+          + (f" tok/s (windows of {window_s:g} s)" if window_s > 0 else " tok/s")
+          + f"; {len(full_gcs)} full garbage collections ({1e3 * sum(full_gcs):.0f} ms)", flush=True)
     del llm
-    return statistics.median(rates)
+    return rate
 
 
 def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
@@ -279,7 +319,13 @@ def main() -> int:
     p.add_argument("--closed-loop-ms", type=float, nargs="*", default=[],
                    help="also in-process with served arrivals: each client sends its next prompt this many ms "
                         "after its previous one finished (bench_closed_loop); several values: one column each")
-    p.add_argument("--rounds", type=int, default=3, help="in-process: timed runs per concurrency (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="in-process: timed runs per concurrency (their median), or with --window-s the windows "
+                        "that must agree (their mean)")
+    p.add_argument("--window-s", type=float, default=0.0,
+                   help="in-process: time windows of at least this many seconds, repeated until the last --rounds "
+                        "agree within --stability (as perf_analyzer measures the served side); 0: --rounds runs")
+    p.add_argument("--stability", type=float, default=0.10, help="with --window-s: the agreement asked (0.10: 10%%)")
     p.add_argument("--engine", nargs="*", default=[], metavar="FIELD=VALUE",
                    help="EngineConfig fields for both paths, e.g. prefill_graph_max_tokens=512")
     args = p.parse_args()
@@ -309,7 +355,8 @@ def main() -> int:
         offline = served = float("nan")
         if args.only != "triton":
             n = max(args.requests, args.min_waves * c)
-            offline = bench_offline(model_path, all_prompts[:n], args.output_tokens, c, engine_kw, args.rounds)
+            offline = bench_offline(model_path, all_prompts[:n], args.output_tokens, c, engine_kw, args.rounds,
+                                    args.window_s, args.stability)
             print(f"concurrency {c}: in-process LLM {offline:8.1f} output tok/s", flush=True)
         if args.only != "offline":
             served, per_response = bench_triton(model_path, prompts, args.output_tokens, c, engine_kw,

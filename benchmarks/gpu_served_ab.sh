@@ -9,8 +9,11 @@
 #     "FREETOKEN_FREETOKEN_INSTANCES=2;FREETOKEN_FREETOKEN_INSTANCES=4;FREETOKEN_FREETOKEN_INSTANCES=4 FREETOKEN_DETOKENIZER_INSTANCES=8"
 # An empty SETTING is the defaults, wherever it stands ("" alone, "X;" = X then the defaults, ";X"). PA_EXPORT=DIR: each setting's exports go to DIR/1, DIR/2, ... in order. CONCURRENCY (default "1 16 64"), PA_MS (3000), PA_TRIALS (10) as in
 # gpu_perf_analyzer.sh; INPROCESS=0 skips the in-process side, INPROCESS=2 runs it before and after; REQUESTS
-# (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process round. About 60 s for the in-process side and 80-110 s per
-# setting at the default concurrencies.
+# (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process run.
+# IN_WINDOW_S (default PA_MS in seconds): the in-process side measured as perf_analyzer measures the served one,
+# windows of this many seconds until the last 3 agree within 10%, their mean (0: the median of three single runs,
+# each ~1 s at 64 streams: what every session before the thirty-fourth used). About 100 s for the in-process side
+# (30 s with IN_WINDOW_S=0) and 80-110 s per setting at the default concurrencies.
 # CPU_WAKE_LATENCY_US=N: hold /dev/cpu_dma_latency at N us for the whole call, both sides (host tuning, as tuned's
 # latency-performance profile does: benchmarks/host_idle.py); the first lines say whether the host allows it (the
 # lent H200 hosts allow it but have no idle states for it to act on: twenty-seventh session).
@@ -22,6 +25,7 @@ export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
 export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-10} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
+in_window_s=${IN_WINDOW_S:-$(python3 -c "print($PA_MS / 1000)")}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 # the device's copy of .git may be older than the tree it was sent (the commit line then misleads): the digest of
 # the tracked sources says which tree ran (`git ls-files -z freetoken_core model_repository | xargs -0 cat | sha1sum`
@@ -37,8 +41,8 @@ fi
 inprocess() {
   echo "=== in-process $shape${1:-}"
   python3 "$repo/benchmarks/bench_serving.py" --model-path "$TOKENIZER_DIR" --shape "$shape" --device cuda \
-    --dtype bfloat16 --concurrency $CONCURRENCY --requests ${REQUESTS:-64} --rounds 3 --only offline 2>&1 \
-    | grep "in-process LLM"
+    --dtype bfloat16 --concurrency $CONCURRENCY --requests ${REQUESTS:-64} --rounds 3 --window-s "$in_window_s" \
+    --only offline 2>&1 | grep "in-process"
 }
 [ "${INPROCESS:-1}" = 0 ] || inprocess
 # split on ';' keeping empty settings anywhere ("X;" is X then the defaults; `read -a` would drop a trailing one)
