@@ -108,3 +108,40 @@ def test_ngram_speculation_on_real_model(smollm2_path, llm, pipelined):
     want = llm.chat(chat, params)[0]
     got = spec_llm.chat(chat, params)[0]
     assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_generate_text_equals_streamed_text(smollm2_path, skip_special):
+    """generate() makes a request's text once the engine is done with it, stream() a step at a time: the two agree
+    byte for byte, with and without stop strings, on random weights' sampled tokens (byte pieces of split
+    characters and special tokens among them)."""
+    llm = LLM(smollm2_path, dtype="float32", load_format="dummy", page_size=16, max_running_req=4)
+    prompts = ["翻译：你好，世界！🌍", "def f(x):\n    return", "Hello there", "émoji 🚀🚀 and more"]
+
+    def params(stop: list[str] | None = None, include: bool = False) -> list[SamplingParams]:
+        return [SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=11 + i, stop=stop or [],
+                               include_stop_str_in_output=include, skip_special_tokens=skip_special)
+                for i in range(len(prompts))]
+
+    def streamed(ps: list[SamplingParams]) -> list[tuple[str, list[int]]]:
+        texts, ids = [""] * len(prompts), [[] for _ in prompts]
+        for d in llm.stream(prompts, ps):
+            texts[d.index] += d.text
+            ids[d.index] += d.next_tokens
+        return list(zip(texts, ids))
+
+    outs = llm.generate(prompts, params())
+    assert [(o.text, o.token_ids) for o in outs] == streamed(params())
+    for o in outs:
+        assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=skip_special)
+    # a stop string from the middle of the longest text: the request ends there, both ways
+    text = max((o.text for o in outs), key=len)
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip()
+    for include in (False, True):
+        stopped = llm.generate(prompts, params([stop], include))
+        assert [(o.text, o.token_ids) for o in stopped] == streamed(params([stop], include))
+        assert any(o.finish_reason == "stop" and o.stop_reason == stop for o in stopped)
+        for o, full in zip(stopped, outs):
+            if o.finish_reason == "stop":
+                assert o.text == full.text[: full.text.index(stop) + (len(stop) if include else 0)]
