@@ -91,6 +91,46 @@ def make_prompts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
     return prompts
 
 
+class StepTimes:
+    """Where an in-process run's time goes: the wall time of each Scheduler.step() call (with overlap scheduling,
+    the host's work for a step plus its wait for the one before), by whether the call launched a prefill. The
+    in-process 64-stream side read 20-36k tok/s on one H200 host and in one engine (thirty-fourth session) while
+    the served engine process stepped at p50 1.1-1.5 ms: these say whether prefill steps or slow decode steps hold
+    it back."""
+
+    def __init__(self, sched) -> None:
+        self.sched, self.step, self.prepare = sched, sched.step, sched.engine.prepare_batch
+        self.phases: list[str] = []
+        self.times: dict[str, list[float]] = {"prefill": [], "decode": []}
+        sched.engine.prepare_batch = self._prepare
+        sched.step = self._step
+
+    def _prepare(self, phase, *a, **kw):
+        self.phases.append(phase)
+        return self.prepare(phase, *a, **kw)
+
+    def _step(self):
+        self.phases.clear()
+        t0 = time.perf_counter()
+        out = self.step()
+        self.times["prefill" if "prefill" in self.phases else "decode"].append(time.perf_counter() - t0)
+        return out
+
+    def reset(self) -> None:
+        for v in self.times.values():
+            v.clear()
+
+    def line(self) -> str:
+        import statistics
+
+        parts = []
+        for kind, ts in self.times.items():
+            if ts:
+                parts.append(f"{len(ts)} {kind} steps {1e3 * sum(ts):.0f} ms (p50 {1e3 * statistics.median(ts):.2f}, "
+                             f"max {1e3 * max(ts):.1f})")
+        return "; ".join(parts)
+
+
 def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurrency: int, engine_kw: dict,
                   rounds: int = 3, window_s: float = 0.0, stability: float = 0.10, max_windows: int = 10) -> float:
     """Output tok/s of LLM.generate over all prompts. The warm-up is a full wave (every prefill and decode batch
@@ -112,6 +152,7 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
     llm = LLM(model_path, max_running_req=concurrency, **engine_kw)
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
     llm.generate(prompts[:concurrency], SamplingParams(max_tokens=8, ignore_eos=True))  # warm up
+    steps = StepTimes(llm.scheduler)
     full_gcs: list[float] = []  # what each full (generation 2) collection during the timed runs took, s
     started: list[float] = []
 
@@ -123,6 +164,7 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
                 full_gcs.append(time.perf_counter() - started.pop())
 
     def timed(min_s: float) -> float:
+        steps.reset()  # the last window's steps are the ones reported
         tokens, t0 = 0, time.perf_counter()
         while True:
             tokens += sum(len(o.token_ids) for o in llm.generate(prompts, params))
@@ -149,7 +191,8 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
         gc.callbacks.remove(on_gc)
     print(f"concurrency {concurrency}: in-process runs " + " / ".join(f"{r:.1f}" for r in rates)
           + (f" tok/s (windows of {window_s:g} s)" if window_s > 0 else " tok/s")
-          + f"; {len(full_gcs)} full garbage collections ({1e3 * sum(full_gcs):.0f} ms)", flush=True)
+          + f"; {len(full_gcs)} full garbage collections ({1e3 * sum(full_gcs):.0f} ms); last run: {steps.line()}",
+          flush=True)
     del llm
     return rate
 

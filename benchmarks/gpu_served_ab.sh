@@ -25,6 +25,9 @@ export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
 export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-10} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
+in_pin=${IN_CPUS:-}
+[ "$in_pin" != auto ] || in_pin=$(python3 -c "from freetoken_core.serving.cpu_affinity import resolve_engine_cpus, format_cpu_list as f; print(f(resolve_engine_cpus('auto')))")
+echo "in-process CPUs: ${in_pin:-any}"
 in_window_s=${IN_WINDOW_S:-$(python3 -c "print($PA_MS / 1000)")}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 # the device's copy of .git may be older than the tree it was sent (the commit line then misleads): the digest of
@@ -40,7 +43,7 @@ if [ -n "${CPU_WAKE_LATENCY_US:-}" ]; then
 fi
 inprocess() {
   echo "=== in-process $shape${1:-}"
-  python3 "$repo/benchmarks/bench_serving.py" --model-path "$TOKENIZER_DIR" --shape "$shape" --device cuda \
+  ${in_pin:+taskset -c "$in_pin"} python3 "$repo/benchmarks/bench_serving.py" --model-path "$TOKENIZER_DIR" --shape "$shape" --device cuda \
     --dtype bfloat16 --concurrency $CONCURRENCY --requests ${REQUESTS:-64} --rounds 3 --window-s "$in_window_s" \
     --only offline 2>&1 | grep "in-process"
 }
