@@ -12,8 +12,9 @@
 # (default 64; bench_serving.py runs at least 4 waves of each concurrency anyway) prompts in each in-process run.
 # IN_WINDOW_S (default PA_MS in seconds): the in-process side measured as perf_analyzer measures the served one,
 # windows of this many seconds until the last 3 agree within 10%, their mean (0: the median of three single runs,
-# each ~1 s at 64 streams: what every session before the thirty-fourth used). About 100 s for the in-process side
-# (30 s with IN_WINDOW_S=0) and 80-110 s per setting at the default concurrencies.
+# each ~1 s at 64 streams: what every session before the thirty-fourth used). IN_CPUS: run the in-process side
+# under `taskset -c` on these CPUs (auto: the CPUs serve gives the engine process, engine_cpus=auto). Issue 13's
+# full command (INPROCESS=2, CONCURRENCY="1 16 64 128", SSE at 16 and 64) took 335-390 s in the thirty-fourth session.
 # CPU_WAKE_LATENCY_US=N: hold /dev/cpu_dma_latency at N us for the whole call, both sides (host tuning, as tuned's
 # latency-performance profile does: benchmarks/host_idle.py); the first lines say whether the host allows it (the
 # lent H200 hosts allow it but have no idle states for it to act on: twenty-seventh session).
