@@ -99,7 +99,7 @@ class StepTimes:
     it back."""
 
     def __init__(self, sched) -> None:
-        self.sched, self.step, self.prepare = sched, sched.step, sched.engine.prepare_batch
+        self.step, self.prepare = sched.step, sched.engine.prepare_batch
         self.phases: list[str] = []
         self.times: dict[str, list[float]] = {"prefill": [], "decode": []}
         sched.engine.prepare_batch = self._prepare
@@ -173,6 +173,7 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
                 return tokens / dt
 
     rates: list[float] = []
+    stable = True
     gc.callbacks.append(on_gc)
     try:
         if window_s <= 0:
@@ -184,13 +185,15 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
                 rates.append(timed(window_s))
                 last = rates[-need:]
                 mean = sum(last) / len(last)
-                if len(last) == need and all(abs(r - mean) <= stability * mean for r in last):
+                stable = len(last) == need and all(abs(r - mean) <= stability * mean for r in last)
+                if stable:
                     break
             rate = sum(rates[-need:]) / len(rates[-need:])
     finally:
         gc.callbacks.remove(on_gc)
     print(f"concurrency {concurrency}: in-process runs " + " / ".join(f"{r:.1f}" for r in rates)
-          + (f" tok/s (windows of {window_s:g} s)" if window_s > 0 else " tok/s")
+          + (f" tok/s (windows of {window_s:g} s{'' if stable else ', NOT stable: the mean of the last three'})"
+             if window_s > 0 else " tok/s")
           + f"; {len(full_gcs)} full garbage collections ({1e3 * sum(full_gcs):.0f} ms); last run: {steps.line()}",
           flush=True)
     del llm

@@ -136,15 +136,20 @@ def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(ll
 
 
 def run_acked_streams(llm, prompts, params, transport: RecordingTransport, options: LoopOptions,
-                      before_stop=None) -> None:
-    """Stream every prompt as the ensemble's tokenizer step would send it (cancel key, acks asked for)."""
+                      before_stop=None, together: bool = False) -> None:
+    """Stream every prompt as the ensemble's tokenizer step would send it (cancel key, acks asked for).
+    together: every request is in the loop's inbox before its engine thread starts, so all are admitted in one
+    step and are in flight at once from the first step to the last (else a busy host may admit the first alone)."""
     transport.expected = len(prompts)
     loop = EngineLoop(llm.scheduler, transport, options)
-    loop.start()
+    if not together:
+        loop.start()
     try:
         for i, p in enumerate(prompts):
             loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True,
                                                return_cancel_key=True, detok_acks=True))
+        if together:
+            loop.start()
         assert transport.done.wait(120)
         if before_stop is not None:
             before_stop(loop)
