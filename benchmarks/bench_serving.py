@@ -217,9 +217,7 @@ def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, conc
     sched, tok = llm.scheduler, llm.scheduler.tokenizer
     ids = [tok.encode(p) for p in prompts]
     params = SamplingParams(max_tokens=out_tokens, ignore_eos=True)
-    phases: list[str] = []
-    prepare = sched.engine.prepare_batch
-    sched.engine.prepare_batch = lambda phase, *a, **kw: phases.append(phase) or prepare(phase, *a, **kw)
+    steps = StepTimes(sched)  # a step launches at most one prefill: its prefill steps are the prefills
     due: list[tuple[float, int]] = []  # (time the client sends, prompt index)
     t0 = time.perf_counter()
     for i in range(min(concurrency, len(ids))):
@@ -240,9 +238,8 @@ def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, conc
                     heapq.heappush(due, (time.perf_counter() + delay_ms / 1e3, sent))
                     sent += 1
     dt = time.perf_counter() - t0
-    sched.engine.prepare_batch = prepare
     del llm
-    return tokens / dt, phases.count("prefill") / len(ids)
+    return tokens / dt, len(steps.times["prefill"]) / len(ids)
 
 
 def bench_one_request(model_path: str, out_tokens: int, engine_kw: dict, repeats: int = 20) -> str:
