@@ -124,13 +124,17 @@ def detokenizer_instances(model_dir: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def max_inflight(option: float, model_dir: str, send_order: bool = False) -> int:
-    """detok_max_inflight: as set, or (0 = auto) 4 for a single detokenizer instance or with
-    detok_send_order (the instances keep each stream in order), else 1."""
+def max_inflight(option: float, model_dir: str, send_order: bool = False, budget: int = 0) -> int:
+    """detok_max_inflight: as set, or (0 = auto) 1 with detok_send_order and an inflight budget (the budget shared
+    by the streams in flight sets the window, at least one a stream: many streams then no longer queue more
+    responses than the budget in front of the detokenizers), 4 for a single detokenizer instance or with
+    detok_send_order alone (the instances keep each stream in order), else 1."""
     if option != int(option) or option < 0:
         raise ValueError(f"serving parameter detok_max_inflight must be a whole number >= 0, got {option:g}")
     if option:
         return int(option)
+    if send_order and budget > 0:
+        return 1
     return 4 if send_order or detokenizer_instances(model_dir) == 1 else 1
 
 
@@ -203,6 +207,7 @@ class FreetokenModel:
             check_detokenizer_decoupled(model_dir)
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
         send_order = send_order_enabled(self.options["detok_send_order"], model_dir)
+        ordered_budget = ordered_inflight_budget(budget, send_order)
         self.loop = EngineLoop(
             self.sched,
             TritonTransport(pb_utils),
@@ -211,8 +216,8 @@ class FreetokenModel:
                 metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
                 stream_interval=stream_interval(self.options),
                 nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
-                max_inflight=max_inflight(self.options["detok_max_inflight"], model_dir, send_order),
-                inflight_budget=ordered_inflight_budget(budget, send_order),
+                max_inflight=max_inflight(self.options["detok_max_inflight"], model_dir, send_order, ordered_budget),
+                inflight_budget=ordered_budget,
                 sender_threads=sender_threads(self.options),
                 send_order=send_order,
             ),

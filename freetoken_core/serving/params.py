@@ -40,16 +40,19 @@ SERVING_DEFAULTS: dict[str, str] = {
     # every streamed response one more IPC round trip; 0 = off: the cancel is noticed at the end.
     "nonstream_cancel_probe_ms": "0",
     # Flow control of streamed ensemble responses (serving/engine_loop.py): how many a request may have
-    # in the detokenizer's queue (sent, not yet acked). 0 = auto: 4 with detok_send_order (the default) or one
-    # detokenizer instance (one queue: in order anyway), else 1 (what keeps a stream in order across several
-    # instances). While a stream is at the limit its tokens wait and merge into its next response.
+    # in the detokenizer's queue (sent, not yet acked). 0 = auto: with detok_send_order (the default) and
+    # detok_inflight_budget (the default) 1, the least a stream gets of the budget (which then sets the window); with
+    # send order alone or one detokenizer instance (one queue: in order anyway) 4; else 1 (what keeps a stream in
+    # order across several instances). While a stream is at the limit its tokens wait and merge into its next
+    # response.
     "detok_max_inflight": "0",
     # > 0 (with detok_send_order): responses the server's streams may have in the detokenizers' queues together,
     # shared by the streams in flight, so that few streams get more each: a stream's window is then
     # max(detok_max_inflight, this / the streams in flight). Each `freetoken` instance shares out its part (this /
-    # the instance count) among its own streams. E.g. 128: 8 a stream at 16 streams, the fixed window from 32 on,
-    # so many streams keep today's queue length (a longer queue there only adds waiting: the detokenizers are at
-    # capacity) while few can use the detokenizers' spare capacity. 0 = off (the fixed window). On by default: on the
+    # the instance count) among its own streams. E.g. 128 (with auto detok_max_inflight, 1): 8 a stream at 16
+    # streams, 2 at 64, 1 at 128, so few streams can use the detokenizers' spare capacity while many no longer queue
+    # more than 128 responses in front of them (at capacity a longer queue only adds waiting, and a request's first
+    # and last responses wait in it too: each stream's turnaround). 0 = off (the fixed window). On by default: on the
     # H200 at 16 streams, Llama-3.2-1B shape, 1.09 tokens a response at 11.7k responses/s against 1.22 at 10.5k off,
     # the same tok/s and latency, one stream the same; SmolLM2 shape 1.26 where the last run without it read 1.55
     # (benchmarks/RESULTS.md, thirty-third session).

@@ -92,6 +92,8 @@ def test_send_order_is_on_by_default_and_off_with_a_plain_detokenizer(tmp_path: 
     assert get_parameter((repo / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
     assert send_order_enabled(1, model_dir) and not send_order_enabled(0, model_dir)
     assert max_inflight(0, model_dir, send_order_enabled(1, model_dir)) == 4
+    # with the inflight budget (the default) the budget sets an ordered stream's window: auto is its floor, 1
+    assert max_inflight(0, model_dir, True, budget=16) == 1 and max_inflight(3, model_dir, True, budget=16) == 3
     assert send_order_enabled(1, "")  # no ensemble next to it: as set
     cfg_path = repo / "detokenizer" / "config.pbtxt"
     cfg_path.write_text(cfg_path.read_text().replace("model_transaction_policy { decoupled: true }", ""))

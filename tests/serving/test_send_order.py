@@ -165,12 +165,14 @@ def assert_numbered_and_exact(llm, transport, expected) -> set[int]:
     return slots
 
 
-@pytest.mark.parametrize("streams,budget,window", [(2, 16, 8), (3, 16, 5), (2, 4, 4)])
-def test_an_inflight_budget_gives_few_streams_a_larger_window(llm, streams, budget, window):
+@pytest.mark.parametrize("streams,budget,floor,window", [(2, 16, 4, 8), (3, 16, 4, 5), (2, 4, 4, 4), (3, 4, 1, 1),
+                                                         (2, 4, 1, 2)])
+def test_an_inflight_budget_gives_few_streams_a_larger_window(llm, streams, budget, floor, window):
     """detok_inflight_budget: an ordered stream may have max(max_inflight, budget // the instance's streams in
-    flight) responses unacked: 16 shared by 2 streams is 8 each, by 3 is 5, and a budget below max_inflight
-    streams changes nothing. The detokenizer here holds its acks until a stream has `window` unacked, so a
-    response sent past the window shows in most_unacked, and a window that never fills in most_unacked too.
+    flight) responses unacked: 16 shared by 2 streams is 8 each, by 3 is 5, a budget below max_inflight x streams
+    leaves max_inflight, and with max_inflight 1 (auto with the budget) 4 shared by 3 streams is 1 each, by 2 is 2.
+    The detokenizer here holds its acks until a stream has `window` unacked, so a response sent past the window
+    shows in most_unacked, and a window that never fills in most_unacked too.
     The streams start and end together: a stream's share grows while fewer are in flight (by design), and a loaded
     host that admitted the first request a step before the others gave it 6 of 5 (CI, thirty-fourth session)."""
     prompts = ["Write one sentence about cats.", "数到五", "List three colours."][:streams]
@@ -178,6 +180,6 @@ def test_an_inflight_budget_gives_few_streams_a_larger_window(llm, streams, budg
     expected = llm.generate(prompts, params)
     transport = AcksHeldUntilWindowFull(window=window)
     run_acked_streams(llm, prompts, params, transport,
-                      LoopOptions(max_inflight=4, send_order=True, inflight_budget=budget), together=True)
+                      LoopOptions(max_inflight=floor, send_order=True, inflight_budget=budget), together=True)
     assert transport.most_unacked == window
     assert_numbered_and_exact(llm, transport, expected)
