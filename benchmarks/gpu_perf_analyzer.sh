@@ -164,12 +164,15 @@ for target in ${TARGETS:-ensemble freetoken}; do
     [ -z "${CPU_USAGE:-}" ] || python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-a.json"
     # up to PA_TRIALS windows of ~1.2x the interval each, plus the start and the ramp
     pa_timeout=$(( $(pa_ms_at "$c") * pa_trials * 3 / 2000 + 60 ))
+    log_mark=$(wc -l < "$work/serve.log")
     timeout "$pa_timeout" "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
       --input-data "$work/$target.json" --concurrency-range "$c" \
       --measurement-interval "$(pa_ms_at "$c")" --stability-percentage "${PA_STABILITY:-10}" \
       --max-trials "$pa_trials" --percentile 50 \
       -f "$work/$target-$c.csv" --verbose-csv ${PA_EXPORT:+--profile-export-file "$PA_EXPORT/$target-$c.json"} \
       > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
+    # the stubs' sender reports logged during this run (pa_summary.py senders: the detokenizer queue per run)
+    tail -n +"$((log_mark + 1))" "$work/serve.log" | grep -o "sender: [0-9].*" > "$work/sender-$target-$c.txt" || true
     if [ -n "${CPU_USAGE:-}" ]; then
       python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-b.json"
       cpu_lines+=("$target $c: $(python3 "$repo/benchmarks/cpu_usage.py" diff "$work/cpu-a.json" "$work/cpu-b.json")")
@@ -190,6 +193,7 @@ grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 grep -o "engine process: [0-9]* steps back to back.*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
+[ -z "$conc" ] || { echo; python3 "$repo/benchmarks/pa_summary.py" senders "$work" $conc; }
 if [ -n "${PA_EXPORT:-}" ]; then
   echo; python3 "$repo/benchmarks/pa_export.py" --out-tokens "$out_tokens" "$PA_EXPORT"/*.json || true
   if compgen -G "$PA_EXPORT/*-1.json" > /dev/null; then

@@ -7,6 +7,7 @@
     python benchmarks/pa_summary.py stream1 localhost:8001 localhost:8002 REQUESTS OUT_TOKENS
     python benchmarks/pa_summary.py trace TRACE_JSON     # tritonserver --trace-config level=TIMESTAMPS output
     python benchmarks/pa_summary.py targets AB_OUTPUT    # gpu_served_ab.sh's output against issue 13's targets
+    python benchmarks/pa_summary.py senders DIR 1 16 64 128   # the stubs' sender reports during each run
 
 `stream1` is where one stream's request time goes: REQUESTS requests one after another on one gRPC
 stream (the ensemble, as perf_analyzer's concurrency 1 sends them), timed by the client (send -> first
@@ -31,6 +32,12 @@ setting's ensemble table) and says, per setting, the ratio served / mean in-proc
 whether issue 13's targets hold: >= 0.95 at 1, 16 and 64 streams, >= 8k responses/s at 64, <= 1.5 tokens a
 response at 16.
 
+`senders` reads DIR/sender-TARGET-C.txt (gpu_perf_analyzer.sh: the `freetoken` stubs' sender report lines,
+serving/sender.py, logged while that run went on; each stub logs one every 10 s) and prints, per run, the medians
+over those reports of the detokenizer ack round trip (its p50 and p99: how long a response waits in the queue in
+front of the detokenizers) and of the engine's time to a stream's first token, and the windows a stream had: the
+queue the flow control allows, beside what perf_analyzer saw. A report may span the run before it (10 s intervals).
+
 perf_analyzer's --verbose-csv row has "Inferences/Second" (requests/s), "Response Throughput"
 (responses/s, decoupled models) and latency columns in microseconds; tokens per response =
 requests/s x OUT_TOKENS / responses/s (every request generates OUT_TOKENS: ignore_eos).
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -404,7 +412,49 @@ def targets_report(text: str) -> str:
     return "\n".join(out) if served else "no served ensemble table in this output"
 
 
+_SENDER_FIELDS = {
+    "ack_p50": re.compile(r"ack round trip p50/p99 ([0-9.]+)/"),
+    "ack_p99": re.compile(r"ack round trip p50/p99 [0-9.]+/([0-9.]+) ms"),
+    "first_ms": re.compile(r"first token ([0-9.]+) ms later"),
+    "per_response": re.compile(r"\(([0-9.]+) per response\)"),
+}
+_SENDER_WINDOW = re.compile(r"window (\d+) a stream")
+
+
+def sender_summary(lines: list[str]) -> dict[str, float | str] | None:
+    """Medians over one run's sender report lines (None without any); windows: the distinct ones, ascending."""
+    if not lines:
+        return None
+    out: dict[str, float | str] = {"reports": float(len(lines))}
+    for name, pattern in _SENDER_FIELDS.items():
+        values = sorted(float(m.group(1)) for m in map(pattern.search, lines) if m)
+        out[name] = values[len(values) // 2] if values else float("nan")
+    windows = sorted({int(m.group(1)) for m in map(_SENDER_WINDOW.search, lines) if m})
+    out["windows"] = "/".join(map(str, windows)) or "-"
+    return out
+
+
+def senders_table(work: Path, concurrencies: list[str], targets: tuple[str, ...] = ("ensemble", "freetoken")) -> str:
+    rows = ["| target | streams | sender reports | ack round trip p50 / p99 ms | engine to first token ms | "
+            "tokens a response | windows a stream |", "|---|---|---|---|---|---|---|"]
+    for target in targets:
+        for c in concurrencies:
+            path = work / f"sender-{target}-{c}.txt"
+            if not path.exists():
+                continue
+            s = sender_summary([ln for ln in path.read_text().splitlines() if ln.startswith("sender:")])
+            if s is None:
+                rows.append(f"| {target} stubs | {c} | 0 | - | - | - | - |")
+                continue
+            rows.append(f"| {target} stubs | {c} | {s['reports']:.0f} | {s['ack_p50']:.1f} / {s['ack_p99']:.1f} | "
+                        f"{s['first_ms']:.2f} | {s['per_response']:.2f} | {s['windows']} |")
+    return "\n".join(rows)
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "senders":
+        print(senders_table(Path(argv[1]), argv[2:]))
+        return 0
     if argv[0] == "targets":
         print(targets_report(Path(argv[1]).read_text()))
         return 0

@@ -86,6 +86,10 @@ concurrency 64: in-process LLM  30000.0 output tok/s
 | ensemble | 1 | 10.6 | 1357 | 1.00 | 1357 | 93.5 | 96.3 |
 | ensemble | 16 | 110.0 | 11000 | 1.28 | 14080 | 147.1 | 152.4 |
 | ensemble | 64 | 250.0 | 9000 | 3.56 | 32000 | 272.9 | 298.1 |
+
+| target | streams | sender reports | ack round trip p50 / p99 ms | engine to first token ms | tokens a response | windows a stream |
+|---|---|---|---|---|---|---|
+| ensemble stubs | 64 | 16 | 27.5 / 40.1 | 5.10 | 3.50 | 2/4 |
 === served smollm2-135m [FREETOKEN_DETOK_MAX_INFLIGHT=8]
 | ensemble | 1 | 10.0 | 1280 | 1.00 | 1280 | 99.0 | 101.0 |
 | ensemble | 16 | 100.0 | 8000 | 1.60 | 12800 | 150.0 | 160.0 |
@@ -112,3 +116,31 @@ def test_targets_read_the_ab_output_against_issue_13():
     assert "16 streams: ratio" not in inflight  # 12,800 / 13,000 = 0.985 meets it
     assert "16 streams: 1.60 tokens a response > 1.5" in inflight
     assert "64 streams: no served result" in inflight
+
+
+SENDER_LINES = [
+    "sender: 1193 responses/s, 5167 streamed tokens/s (4.33 per response), send() p50/p99 499/2165 us, busy 72%, "
+    "detokenizer ack round trip p50/p99 47.8/57.5 ms, first response p50: engine thread woken 0 us, first token 6.86 "
+    "ms later, at the sender 302 us after that, window 8 a stream (2 streams in flight here)",
+    "sender: 1184 responses/s, 5081 streamed tokens/s (4.29 per response), send() p50/p99 496/2230 us, busy 72%, "
+    "detokenizer ack round trip p50/p99 40.0/50.0 ms, window 4 a stream (4 streams in flight here)",
+    "sender: 1197 responses/s, 5159 streamed tokens/s (4.31 per response), send() p50/p99 490/2332 us, busy 72%, "
+    "detokenizer ack round trip p50/p99 45.0/55.0 ms, first response p50: engine thread woken 0 us, first token 6.76 "
+    "ms later, at the sender 257 us after that, window 4 a stream (4 streams in flight here)",
+]
+
+
+def test_senders_summarize_each_runs_sender_reports(tmp_path):
+    """pa_summary.py senders: per run (the log lines gpu_perf_analyzer.sh sliced out while it went on), the median
+    ack round trip p50 / p99, engine to first token and tokens a response over the stubs' reports, and the windows
+    seen; a run without reports says so, a run without its file is left out."""
+    summary = load_benchmark("pa_summary")
+    (tmp_path / "sender-ensemble-64.txt").write_text("\n".join(SENDER_LINES) + "\n")
+    (tmp_path / "sender-ensemble-16.txt").write_text("")
+    table = summary.senders_table(tmp_path, ["1", "16", "64"])
+    assert "| ensemble stubs | 64 | 3 | 45.0 / 55.0 | 6.86 | 4.31 | 4/8 |" in table
+    assert "| ensemble stubs | 16 | 0 | - | - | - | - |" in table
+    assert "| 1 |" not in table and "freetoken" not in table
+    # the senders table beside a setting's ensemble table is not read as its rows
+    _, served = summary.parse_ab_output(AB_OUTPUT)
+    assert served["defaults"][64]["tok_s"] == 32000.0
