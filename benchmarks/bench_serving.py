@@ -245,7 +245,7 @@ def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, conc
 def bench_one_request(model_path: str, out_tokens: int, engine_kw: dict, repeats: int = 20) -> str:
     """In-process, one request at a time on perf_analyzer's prompts (benchmarks/pa_summary.py PROMPTS): the
     median time of LLM.generate with max_tokens=1 (the request's TTFT plus the call's own cost) and with
-    max_tokens=out_tokens, beside which pa_summary.py stream1 reads the served path's one-stream times."""
+    max_tokens=out_tokens, beside which pa_clients.py stream1 reads the served path's one-stream times."""
     import statistics
 
     from pa_summary import PROMPTS

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # perf_analyzer (C++ client: not the limit) against the served engine on the GPU test host, issue 13:
 # the ensemble and the `freetoken` model alone (input_ids), gRPC streaming, concurrency 1 16 64 128,
-# then HTTP generate_stream (SSE, benchmarks/pa_summary.py sse: several client processes) at 16 and 64.
+# then HTTP generate_stream (SSE, benchmarks/pa_clients.py sse: several client processes) at 16 and 64.
 #   source .gpu-bundle/setup.sh && bash benchmarks/gpu_perf_analyzer.sh MODEL_DIR|SHAPE [EXTRA serve args ...]
 #   e.g.  bash benchmarks/gpu_perf_analyzer.sh smollm2-135m        (random weights, SmolLM2's tokenizer)
 #         bash benchmarks/gpu_perf_analyzer.sh llama-3.2-1b
@@ -9,7 +9,7 @@
 #   PA_TRIALS=10 PA_STABILITY=10 SSE_S=10 ...
 #   TARGETS="ensemble freetoken" (which perf_analyzer targets run)
 #   STREAM1=N: then N requests one after another on one gRPC stream, timed by the client beside the
-#   `freetoken` model's own TTFT/TPOT (benchmarks/pa_summary.py stream1): where one stream's time goes;
+#   `freetoken` model's own TTFT/TPOT (benchmarks/pa_clients.py stream1): where one stream's time goes;
 #   with TRACE=FILE the server also writes a Triton trace (level TIMESTAMPS, turned on only for a second
 #   STREAM1 run after the first, so that the first is untraced) and its timeline is printed
 #   CONCURRENCY="" (set, empty): no perf_analyzer runs
@@ -182,7 +182,7 @@ done
 [ -z "$gpu_log_pid" ] || kill "$gpu_log_pid" 2> /dev/null || true
 sse_rows=()
 for c in $sse_conc; do
-  sse_rows+=("$(timeout $((sse_s + 150)) "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
+  sse_rows+=("$(timeout $((sse_s + 150)) "${pin[@]}" python3 "$repo/benchmarks/pa_clients.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
 done
 python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/metrics").read().decode())' \
   | grep -E "^nv_inference_(exec|request_success)_count.*detokenizer|^freetoken_(generation_tokens|request_finished)" | head -12 || true
@@ -204,13 +204,13 @@ fi
 printf '%s\n' "${sse_rows[@]}"
 [ ${#cpu_lines[@]} -eq 0 ] || printf '%s\n' "${cpu_lines[@]}"
 if [ -n "${STREAM1:-}" ]; then
-  timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+  timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_clients.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
     || echo "stream1 failed"
   if [ -n "${TRACE:-}" ]; then
     python3 -c 'import urllib.request as u; print(u.urlopen(u.Request("http://localhost:8000/v2/trace/setting",
       data=b"{\"trace_level\": [\"TIMESTAMPS\"], \"trace_rate\": \"1\"}", method="POST")).read().decode())'
     echo "traced:"
-    timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_summary.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+    timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_clients.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
       || echo "stream1 failed"
     sleep 1
     python3 "$repo/benchmarks/pa_summary.py" trace "$TRACE"
