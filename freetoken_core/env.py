@@ -56,6 +56,10 @@ class KernelEnv:
     rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
+    # FREETOKEN_ATTN_OPROJ_FUSED: batch-1 decode from the QKV row to o_proj in one launch (q/k norm + rotary,
+    # K/V store, split-KV attention and its merge, o_proj; attention/triton/decode_oproj.py). Off: not yet
+    # measured on the GPU (built in the thirty-sixth session without a device)
+    attn_oproj_fused: bool = False
 
     @staticmethod
     def variable(field_name: str) -> str:
