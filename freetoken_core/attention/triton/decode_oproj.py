@@ -203,9 +203,12 @@ def _oproj_rows(
     w_pre = _w_cols(w_rows, r_ok, 0, PRE_K, PACKED)  # weights: no earlier kernel writes them
     if WAIT:
         pdl_wait_then_release()
-    ready = tl.load(Flags, volatile=True)
-    while ready < NUM_KV_HEADS:  # every KV head's output in o_buf (the attention programs release them)
-        ready = tl.load(Flags, volatile=True)
+    # Wait until every KV head's output is in o_buf (the attention programs release them). The poll is a scalar
+    # atomic, which one thread of the program issues: one L2 request a program an iteration, where a load
+    # would be one a warp (a thousand warps polling one line would queue the releases behind them).
+    ready = tl.atomic_add(Flags, 0, sem="relaxed", scope="gpu")
+    while ready < NUM_KV_HEADS:
+        ready = tl.atomic_add(Flags, 0, sem="relaxed", scope="gpu")
     # One RMW on the flag the releases went to: its acquire orders the o_buf reads after them, and the
     # count past NUM_KV_HEADS says how many programs are past the spin; the last leaves it zero.
     passed = tl.atomic_add(Flags, 1, sem="acq_rel", scope="gpu") - NUM_KV_HEADS
