@@ -210,6 +210,31 @@ def test_other_backends_and_gated_attention_take_no_fused_launch(monkeypatch):
     assert QKNormRope._fields == ("q_weight", "k_weight", "q_eps", "k_eps", "cos_sin_cache", "zero_centered")
 
 
+def test_engine_greedy_through_the_fused_launch_matches_transformers(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE through the whole engine on the Triton backend (the interpreter), one request at a time so
+    that every decode step takes the fused launch: greedy tokens equal transformers fp32."""
+    from freetoken_core import LLM, SamplingParams, env
+    from freetoken_core.attention.triton import backend as triton_backend
+    from freetoken_core.models.blocks import Attention
+    from tests.models.moe_checkpoints import PROMPTS, hf_greedy, make_tiny_moe
+
+    path = make_tiny_moe(tmp_path, "per_expert", num_experts_per_tok=4, norm_topk_prob=True)
+    expected = hf_greedy(path, PROMPTS[:2], 6)
+    calls = []
+    real = triton_backend.decode_attention_oproj
+    monkeypatch.setattr(triton_backend, "decode_attention_oproj", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setattr(Attention, "_fuses_qk_norm_rotary", lambda self, q: True)  # the CPU keeps torch norms
+    monkeypatch.setenv("FREETOKEN_ATTN_OPROJ_FUSED", "1")
+    env.kernel_env.cache_clear()
+    try:
+        llm = LLM(path, dtype="float32", attention_backend="triton", page_size=4, max_running_req=1, num_pages=64)
+        got = [o.token_ids for o in llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, ignore_eos=True))]
+    finally:
+        env.kernel_env.cache_clear()
+    assert len(calls) == 2 * 5 * 3  # 2 prompts x 5 decode steps x 3 attention layers
+    assert got == expected
+
+
 @needs_cuda
 def test_gpu_attend_bf16_qwen3_moe_shape(monkeypatch):
     assert _attend_steps(monkeypatch, (200,), dtype=torch.bfloat16, heads=32, kv_heads=4, head_dim=128,
