@@ -260,3 +260,28 @@ def test_the_gpus_one_launch_form_passes_the_sm90_frontend(tmp_path):
         compiled.append({**rec, "args": {**args, "PHASE": ["const", 0]}})
     lines = _frontend(tmp_path, compiled)
     assert lines[-1]["checked"] == len(compiled) and not lines[:-1], lines[:3]
+
+
+def test_backend_keeps_the_separate_launches_past_one_attention_program_an_sm():
+    """The attention programs wait for each other, so all must be resident: at most one per SM (the CPU backend
+    counts 4). More KV heads x splits than that: the backend answers None (the caller runs the separate launches)."""
+    from test_fused_kv_store import Rig
+
+    from freetoken_core.attention.triton.backend import TritonAttnMetadata
+    from freetoken_core.core import Batch
+
+    rig = Rig(4, 2, 16, 4, torch.float32, num_layers=1)
+    backend = rig.fused
+    assert backend.num_sms == 4
+    ints = torch.ones(1, dtype=torch.int32)
+    batch = Batch("decode", [], [1], [1], torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                  torch.zeros(1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), [])
+    qkv = torch.zeros(1, (4 + 2 * 2) * 16)
+    args = (0, batch, torch.zeros(1, dtype=torch.int64), qkv, None, torch.zeros(8, 64))
+    for splits, fused in ((2, True), (3, False)):
+        batch.attn_metadata = TritonAttnMetadata("decode", 1, ints, ints, num_splits=splits)
+        if fused:  # 2 x 2 programs fit: the launch is taken (stopped at its first use of the norms here)
+            with pytest.raises(TypeError):
+                backend.fused_decode_oproj(*args)
+        else:
+            assert backend.fused_decode_oproj(*args) is None

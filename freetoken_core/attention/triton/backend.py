@@ -156,7 +156,8 @@ class TritonBackend(AttnBackend):
         launch with this step's split count and scratch. None for other batches."""
         md = batch.attn_metadata
         if (not isinstance(md, TritonAttnMetadata) or md.phase != "decode" or md.table_rows.shape[0] != 1
-                or qkv.shape[0] != 1 or self.layout.head_dim & (self.layout.head_dim - 1)):
+                or qkv.shape[0] != 1 or self.layout.head_dim & (self.layout.head_dim - 1)
+                or self.layout.num_kv_heads * md.num_splits > self.num_sms):  # see decode_oproj: one wave
             return None
         k_cache, v_cache = self.kv_cache.layer(layer_id)
         return decode_attention_oproj(

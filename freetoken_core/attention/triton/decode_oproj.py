@@ -23,7 +23,9 @@ rows of o_proj (at least one per attention split):
 
 The spin cannot deadlock on the GPU: the attention programs have the lowest program ids, so they are
 dispatched first, and their attention waits on nothing but the previous kernel (the forward-progress
-assumption of the decoupled look-back in CUB's single-pass scan). The Triton interpreter runs programs
+assumption of the decoupled look-back in CUB's single-pass scan); and since they spin too once their
+attention is done, all of them must be resident at once: at most one per SM (the wrapper refuses more,
+the backend then keeps the separate launches). The Triton interpreter runs programs
 one after another, where a spin on a later program never ends: there the wrapper launches the kernel
 twice, attention parts (PHASE 1) then o_proj parts (PHASE 2), the same code as the one launch.
 
@@ -301,6 +303,10 @@ def decode_attention_oproj(
     block_n = cfg.get("block_n", 32)
     assert pre_k & (pre_k - 1) == 0 and block_k & (block_k - 1) == 0 and (k - pre_k) % block_k == 0, (
         f"o_proj's {k} columns do not split into a first {pre_k} and steps of {block_k}")
+    if qkv.is_cuda:  # every attention program resident at once (they wait for each other): one an SM suffices
+        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count
+        assert num_kv_heads * num_splits <= sms, (
+            f"{num_kv_heads} x {num_splits} attention programs exceed the GPU's {sms} SMs")
     # a program per BLOCK_ROWS rows, and at least one per attention split (the extra ones' rows are past N)
     num_programs = max(triton.cdiv(hidden, block_rows), num_kv_heads * num_splits)
     if num_splits > 1:
