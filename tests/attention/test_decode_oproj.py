@@ -97,6 +97,17 @@ def test_group_of_eight_and_zero_centred_norm(zero_centered):
     _check(p, p.run(2, min_split_tokens=8, config=dict(block_rows=8, block_k=32, pre_k=64, num_warps=4)), 2e-5)
 
 
+@pytest.mark.parametrize("spread", [1, 0])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("seq_len,num_splits", [(5, 1), (37, 3)])
+def test_attention_programs_rows_spread_over_the_others(spread, dtype, tol, seq_len, num_splits):
+    """128 rows of 4 a program = 32 programs: 2 x S attention programs hand their rows, one each, to the programs
+    after them (spread), or load them after their attention (not spread); the same output either way."""
+    p = Problem(seq_len, 4, 2, 16, 128, 4, dtype, seed=2)
+    _check(p, p.run(num_splits, min_split_tokens=8, config=dict(block_rows=4, block_k=32, pre_k=32, num_warps=4,
+                                                                   spread=spread)), tol)
+
+
 def test_launches_in_a_row_share_one_scratch():
     """Layers one after another reuse o_buf and the flags: each launch must find them as the last left them."""
     scratch = alloc_oproj_scratch(4, 16, DEVICE)

@@ -54,8 +54,9 @@ from .reference import paged_attention_reference, store_kv_reference
 # program of the grid resident at once, the o_proj weights of the whole launch preloaded (packed, two 16-bit
 # weights an int32), no spills. block_n: the attention's keys an iteration (64 spills at 4 warps with the
 # preloaded tile; 32 does not).
-#   Qwen3-30B-A3B (o_proj 2048 x 4096, 32 / 4 heads of 128): 8 rows x 4096 a program at 4 warps = 255
-#   registers, 2 programs an SM (132 SMs: 264 slots for 256 programs, 12-128 of them also attention).
+#   Qwen3-30B-A3B (o_proj 2048 x 4096, 32 / 4 heads of 128): 8 rows x 4096 a program at 4 warps, 2 programs an
+#   SM (132 SMs: 264 slots for 256 programs, 12-128 of them attention): 218 registers with the attention
+#   programs' rows spread over the others (up to 28 attention programs, 7 splits), 255 without.
 DEFAULT_CONFIG = dict(block_rows=8, block_k=1024, pre_k=2048, num_warps=4, block_n=32)
 CONFIGS: dict[tuple[int, int], dict[str, int]] = {  # (N, K) of o_proj -> tile
     (2048, 4096): dict(block_rows=8, block_k=1024, pre_k=4096, num_warps=4, block_n=32),
@@ -193,16 +194,22 @@ def _dot_cols(w, OBuf, k0, COLS: tl.constexpr, PACKED: tl.constexpr, IS_BF16: tl
 
 @triton.jit
 def _oproj_rows(
-    W, Y, OBuf, Flags, block, num_blocks, N, stride_wn,
+    W, Y, OBuf, Flags, block, extra_row, num_pollers, N, stride_wn,
     NUM_KV_HEADS: tl.constexpr, K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRE_K: tl.constexpr, PACKED: tl.constexpr, WAIT: tl.constexpr,
+    PRE_K: tl.constexpr, PACKED: tl.constexpr, WAIT: tl.constexpr, EXTRA: tl.constexpr,
 ):
-    """BLOCK_ROWS rows of o_proj. The first PRE_K columns load before anything else: with WAIT (programs
-    without attention work) that is before the PDL wait, which only then runs here."""
+    """BLOCK_ROWS rows of o_proj (block < 0: none) and, with EXTRA, one more whole row (extra_row < 0: none).
+    Their first columns (PRE_K of the block, all of the extra row) load before anything else: with WAIT
+    (programs without attention work) that is before the PDL wait, which only then runs here."""
     rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    r_ok = rows < N
-    w_rows = W + rows[:, None].to(tl.int64) * stride_wn
+    r_ok = (rows < N) & (block >= 0)
+    w_rows = W + tl.maximum(rows, 0)[:, None].to(tl.int64) * stride_wn
     w_pre = _w_cols(w_rows, r_ok, 0, PRE_K, PACKED)  # weights: no earlier kernel writes them
+    if EXTRA:
+        e_row = tl.zeros([1], tl.int64) + extra_row
+        e_ok = e_row >= 0
+        w_e_row = W + tl.maximum(e_row, 0)[:, None] * stride_wn
+        w_extra = _w_cols(w_e_row, e_ok, 0, K, PACKED)
     if WAIT:
         pdl_wait_then_release()
     # Wait until every KV head's output is in o_buf (the attention programs release them). The poll is a scalar
@@ -214,13 +221,15 @@ def _oproj_rows(
     # One RMW on the flag the releases went to: its acquire orders the o_buf reads after them, and the
     # count past NUM_KV_HEADS says how many programs are past the spin; the last leaves it zero.
     passed = tl.atomic_add(Flags, 1, sem="acq_rel", scope="gpu") - NUM_KV_HEADS
-    if passed == num_blocks - 1:
+    if passed == num_pollers - 1:
         tl.atomic_xchg(Flags, 0)
     is_bf16 = Y.dtype.element_ty == tl.bfloat16
     acc = _dot_cols(w_pre, OBuf, 0, PRE_K, PACKED, is_bf16)
     for k0 in range(PRE_K, K, BLOCK_K):
         acc += _dot_cols(_w_cols(w_rows, r_ok, k0, BLOCK_K, PACKED), OBuf, k0, BLOCK_K, PACKED, is_bf16)
     tl.store(Y + rows, acc.to(Y.dtype.element_ty), mask=r_ok)
+    if EXTRA:
+        tl.store(Y + e_row, _dot_cols(w_extra, OBuf, 0, K, PACKED, is_bf16).to(Y.dtype.element_ty), mask=e_ok)
 
 
 @triton.jit
@@ -233,15 +242,18 @@ def _decode_oproj_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, ZERO_CENTERED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PRE_K: tl.constexpr, PACKED: tl.constexpr,
-    PHASE: tl.constexpr, USE_PDL: tl.constexpr,
+    SPREAD: tl.constexpr, PHASE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # PHASE 0 (compiled): both parts in this one launch. Under the interpreter, which runs programs one after
     # another, a program would spin forever on attention programs after it: the wrapper launches PHASE 1
     # (attention only), then PHASE 2 (o_proj only), the same code either way.
+    # SPREAD: the attention programs' row blocks go one row each to the first programs after them (whose
+    # extra row loads before the PDL wait with their own block), so that no o_proj load waits for attention.
     pid = tl.program_id(0)
-    num_blocks = tl.num_programs(0)
+    num_attention = NUM_KV_HEADS * num_splits
+    num_pollers = tl.num_programs(0) - num_attention if SPREAD else tl.num_programs(0)
     K: tl.constexpr = NUM_HEADS * HEAD_DIM
-    if pid < NUM_KV_HEADS * num_splits:  # attention first, then its own o_proj rows, loaded after it
+    if pid < num_attention:  # attention first, then (without SPREAD) its own o_proj rows, loaded after it
         if USE_PDL:  # q/k/v come from the QKV GEMV just before
             pdl_wait_then_release()
         if PHASE != 2:
@@ -254,12 +266,14 @@ def _decode_oproj_kernel(
                 NUM_HEADS, NUM_HEADS // NUM_KV_HEADS, BLOCK_M, HEAD_DIM, BLOCK_N, PAGE_SIZE, ZERO_CENTERED,
                 DOT_PRECISION,
             )
-        if PHASE != 1:
-            _oproj_rows(W, Y, OBuf, Flags, pid, num_blocks, N, stride_wn, NUM_KV_HEADS, K, BLOCK_ROWS, BLOCK_K,
-                        PRE_K, PACKED, False)
-    elif PHASE != 1:  # o_proj only: its first columns stream before the PDL wait
-        _oproj_rows(W, Y, OBuf, Flags, pid, num_blocks, N, stride_wn, NUM_KV_HEADS, K, BLOCK_ROWS, BLOCK_K,
-                    PRE_K, PACKED, USE_PDL)
+        if PHASE != 1 and not SPREAD:
+            _oproj_rows(W, Y, OBuf, Flags, pid, -1, num_pollers, N, stride_wn, NUM_KV_HEADS, K, BLOCK_ROWS,
+                        BLOCK_K, PRE_K, PACKED, False, False)
+    elif PHASE != 1:  # o_proj only: its rows stream before the PDL wait
+        extra = pid - num_attention  # with SPREAD, row `extra` of the attention programs' blocks, if it is one
+        extra = tl.where(extra < num_attention * BLOCK_ROWS, extra, -1)
+        _oproj_rows(W, Y, OBuf, Flags, pid, extra, num_pollers, N, stride_wn, NUM_KV_HEADS, K, BLOCK_ROWS,
+                    BLOCK_K, PRE_K, PACKED, USE_PDL, SPREAD)
     elif USE_PDL:
         pdl_wait_then_release()
 
@@ -309,6 +323,9 @@ def decode_attention_oproj(
             f"{num_kv_heads} x {num_splits} attention programs exceed the GPU's {sms} SMs")
     # a program per BLOCK_ROWS rows, and at least one per attention split (the extra ones' rows are past N)
     num_programs = max(triton.cdiv(hidden, block_rows), num_kv_heads * num_splits)
+    # the attention programs' rows spread one a program over the programs after them, where there are enough
+    num_attention = num_kv_heads * num_splits
+    spread = bool(cfg.get("spread", 1)) and num_attention * (block_rows + 1) <= num_programs
     if num_splits > 1:
         assert part_out is not None and part_lse is not None and split_counters is not None
         po_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2))
@@ -335,7 +352,7 @@ def decode_attention_oproj(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_M=max(16, triton.next_power_of_2(group)),
             HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE_SIZE=k_cache.shape[1], ZERO_CENTERED=zero_centered,
             DOT_PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
-            BLOCK_ROWS=block_rows, BLOCK_K=block_k, PRE_K=pre_k, PACKED=packed, PHASE=phase,
+            BLOCK_ROWS=block_rows, BLOCK_K=block_k, PRE_K=pre_k, PACKED=packed, SPREAD=spread, PHASE=phase,
             num_warps=cfg["num_warps"], num_stages=1, **pdl_launch(qkv),
         )
     return y
