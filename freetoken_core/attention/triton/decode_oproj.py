@@ -13,10 +13,12 @@ rows of o_proj (at least one per attention split):
   barrier: its own key loop reads that slot back; no other split reads it). A KV head's output is final
   when its only split writes it, or when its last split to finish merges the partials (the split-K
   ticket of `decode.py`'s fused merge); that program rounds it to the model dtype into `o_buf` and
-  releases one count on `flags[0]`. Then they do their o_proj rows like the others, loading them after.
+  releases one count on `flags[0]`. Their own o_proj rows they either load after that, or (SPREAD, where
+  the grid has enough programs) hand over, one row each, to the programs after them.
 - the other programs load their o_proj rows (the first PRE_K columns, by default all of them, two
-  16-bit weights an int32 register) *before* the PDL wait (weights: no earlier kernel writes them), so
-  that the bytes stream while the QKV GEMV ends and attention runs.
+  16-bit weights an int32 register; with SPREAD also one whole row of an attention program's block)
+  *before* the PDL wait (weights: no earlier kernel writes them), so that the bytes stream while the QKV
+  GEMV ends and attention runs.
 - every program then spins until `flags[0]` counts every KV head, adds one to it itself (acquire:
   orders its `o_buf` reads after the releases), reads `o_buf` from L2 and stores its rows. The last to
   add resets the flag, so every launch (the next layer, the next graph replay) finds it zero.
