@@ -55,7 +55,8 @@ from .reference import paged_attention_reference, store_kv_reference
 # from ptxas's register counts for sm_90 (compiled on the CPU, `cuobjdump --dump-resource-usage`): every
 # program of the grid resident at once, the o_proj weights of the whole launch preloaded (packed, two 16-bit
 # weights an int32), no spills. block_n: the attention's keys an iteration (64 spills at 4 warps with the
-# preloaded tile; 32 does not).
+# preloaded tile; 32 does not); spread (default 1): the attention programs hand their rows to the others where
+# the grid has room (0: they load them after attention).
 #   Qwen3-30B-A3B (o_proj 2048 x 4096, 32 / 4 heads of 128): 8 rows x 4096 a program at 4 warps, 2 programs an
 #   SM (132 SMs: 264 slots for 256 programs, 12-128 of them attention): 218 registers with the attention
 #   programs' rows spread over the others (up to 28 attention programs, 7 splits), 255 without.
@@ -319,14 +320,13 @@ def decode_attention_oproj(
     block_n = cfg.get("block_n", 32)
     assert pre_k & (pre_k - 1) == 0 and block_k & (block_k - 1) == 0 and (k - pre_k) % block_k == 0, (
         f"o_proj's {k} columns do not split into a first {pre_k} and steps of {block_k}")
+    num_attention = num_kv_heads * num_splits
     if qkv.is_cuda:  # every attention program resident at once (they wait for each other): one an SM suffices
         sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count
-        assert num_kv_heads * num_splits <= sms, (
-            f"{num_kv_heads} x {num_splits} attention programs exceed the GPU's {sms} SMs")
+        assert num_attention <= sms, f"{num_kv_heads} x {num_splits} attention programs exceed the GPU's {sms} SMs"
     # a program per BLOCK_ROWS rows, and at least one per attention split (the extra ones' rows are past N)
-    num_programs = max(triton.cdiv(hidden, block_rows), num_kv_heads * num_splits)
+    num_programs = max(triton.cdiv(hidden, block_rows), num_attention)
     # the attention programs' rows spread one a program over the programs after them, where there are enough
-    num_attention = num_kv_heads * num_splits
     spread = bool(cfg.get("spread", 1)) and num_attention * (block_rows + 1) <= num_programs
     if num_splits > 1:
         assert part_out is not None and part_lse is not None and split_counters is not None
