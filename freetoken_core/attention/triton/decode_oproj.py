@@ -39,6 +39,8 @@ kernels' references, in order).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +50,9 @@ from ...kernels.pdl import pdl_launch
 from ...kernels.pdl_jit import pdl_wait_then_release
 from ...kernels.qk_norm_rotary import _normed
 from ...kernels.qk_norm_rotary_ref import qk_norm_rotary_reference
-from .decode import LOG2E, _active_splits, _merge_partials, attend_paged_keys
+from .decode import (
+    LOG2E, _active_splits, _merge_partials, _split_keys, _split_ticket, _store_partial, attend_paged_keys,
+)
 from .reference import paged_attention_reference, store_kv_reference
 
 # Launch tiles, not yet timed on a GPU (benchmarks/decode_variants.py `tile:oproj:` variants sweep them); chosen
@@ -112,9 +116,7 @@ def _attention_program(
         sin_signed = tl.where(d < HALF, -sin, sin)
         q = _rope_rows(QKV + h[:, None] * HEAD_DIM, row_valid[:, None], QW, q_eps, cos, sin_signed, d, partner,
                        dt, HEAD_DIM, ZERO_CENTERED)
-        chunk = tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N  # decode.py's split of the keys
-        start = split * chunk
-        end = tl.minimum(start + chunk, seq_len)
+        chunk, start, end = _split_keys(seq_len, active, split, BLOCK_N)  # decode.py's split of the keys
         if (seq_len - 1) // chunk == split:  # the split whose keys hold the new one stores it first
             k_src = QKV + (NUM_HEADS + kv_head) * HEAD_DIM
             v_src = k_src + (NUM_HEADS // GROUP) * HEAD_DIM
@@ -148,13 +150,10 @@ def _attention_program(
             tl.atomic_add(Flags, 1, sem="release", scope="gpu")
         else:
             t = tl.zeros([BLOCK_M], tl.int64)  # the one query row
-            tl.store(PartOut + h[:, None] * stride_poh + split * stride_pos + d[None, :], out, mask=mask)
-            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(PartLse + h * stride_plh + split, lse, mask=row_valid)
+            _store_partial(PartOut, PartLse, t, h, d, split, out, m_i, l_i, row_valid, mask,
+                           stride_pot, stride_poh, stride_pos, stride_plt, stride_plh)
             counter = SplitCounters + kv_head
-            tl.debug_barrier()  # every thread's partial stores come before the ticket
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == active - 1:  # the KV head's last split to finish merges, as decode.py's fused merge
+            if _split_ticket(counter) == active - 1:  # the KV head's last split merges, as decode.py's fused merge
                 merged = _merge_partials(PartOut, PartLse, t, h, d, row_valid, mask, active,
                                          stride_pot, stride_poh, stride_pos, stride_plt, stride_plh)
                 tl.store(o_ptrs, merged.to(dt).to(tl.float32), mask=mask)
@@ -281,6 +280,11 @@ def _decode_oproj_kernel(
         pdl_wait_then_release()
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:  # asked on every eager launch: once per device
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def alloc_oproj_scratch(num_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_buf, flags): the attention output row in fp32 (values already rounded to the model dtype) and
     the int32 flag, zero, which every launch leaves zero. Allocate outside graph capture."""
@@ -322,7 +326,7 @@ def decode_attention_oproj(
         f"o_proj's {k} columns do not split into a first {pre_k} and steps of {block_k}")
     num_attention = num_kv_heads * num_splits
     if qkv.is_cuda:  # every attention program resident at once (they wait for each other): one an SM suffices
-        sms = torch.cuda.get_device_properties(qkv.device).multi_processor_count
+        sms = _num_sms(qkv.device.index or 0)
         assert num_attention <= sms, f"{num_kv_heads} x {num_splits} attention programs exceed the GPU's {sms} SMs"
     # a program per BLOCK_ROWS rows, and at least one per attention split (the extra ones' rows are past N)
     num_programs = max(triton.cdiv(hidden, block_rows), num_attention)
