@@ -55,18 +55,18 @@ from .decode import (
 )
 from .reference import paged_attention_reference, store_kv_reference
 
-# Launch tiles, not yet timed on a GPU (benchmarks/decode_variants.py `tile:oproj:` variants sweep them); chosen
-# from ptxas's register counts for sm_90 (compiled on the CPU, `cuobjdump --dump-resource-usage`): every
-# program of the grid resident at once, the o_proj weights of the whole launch preloaded (packed, two 16-bit
-# weights an int32), no spills. block_n: the attention's keys an iteration (64 spills at 4 warps with the
-# preloaded tile; 32 does not); spread (default 1): the attention programs hand their rows to the others where
+# Launch tiles (benchmarks/decode_variants.py `tile:oproj:` variants sweep them), chosen from ptxas's register counts
+# for sm_90 (compiled on the CPU, `cuobjdump --dump-resource-usage`): every program of the grid resident at once,
+# the o_proj weights of the whole launch preloaded (packed, two 16-bit weights an int32), no spills. block_n: the
+# attention's keys an iteration; spread (default 1): the attention programs hand their rows to the others where
 # the grid has room (0: they load them after attention).
-#   Qwen3-30B-A3B (o_proj 2048 x 4096, 32 / 4 heads of 128): 8 rows x 4096 a program at 4 warps, 2 programs an
-#   SM (132 SMs: 264 slots for 256 programs, 12-128 of them attention): 218 registers with the attention
-#   programs' rows spread over the others (up to 28 attention programs, 7 splits), 255 without.
+#   Qwen3-30B-A3B (o_proj 2048 x 4096, 32 / 4 heads of 128), H200, batch-1 step (RESULTS.md, thirty-seventh
+#   session): 16 rows x 4096 at 8 warps, 64 keys a step (214 registers, one program an SM, 128 programs) 2.511 ms;
+#   8 rows at 4 warps, 32 keys (218 registers, two an SM, 256 programs) 2.661 ms; both slower than the separate
+#   launches (2.382 ms), hence the switch stays off.
 DEFAULT_CONFIG = dict(block_rows=8, block_k=1024, pre_k=2048, num_warps=4, block_n=32)
 CONFIGS: dict[tuple[int, int], dict[str, int]] = {  # (N, K) of o_proj -> tile
-    (2048, 4096): dict(block_rows=8, block_k=1024, pre_k=4096, num_warps=4, block_n=32),
+    (2048, 4096): dict(block_rows=16, block_k=1024, pre_k=4096, num_warps=8, block_n=64),
 }
 
 
