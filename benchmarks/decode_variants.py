@@ -123,25 +123,18 @@ _NG, _G = "freetoken_core.kernels.norm_gemv", "freetoken_core.kernels.gemv"
 _TILE_TABLES = {"gemv": (_G, "GEMV_CONFIGS"), "norm": (_NG, "NORM_GEMV_CONFIGS")}
 
 
-_OPROJ_TABLE = ("freetoken_core.attention.triton.decode_oproj", "CONFIGS")
-
-
 def tile_variant(spec: str) -> Callable[[], None] | None:
     """`tile:gemv:NxK:bn/bk/warps/stages` or `tile:norm:...`: any launch tile of the one-row GEMV tables
-    (a sweep's best, say) without a named entry here; `tile:oproj:NxK:rows/bk/pre_k/warps[/block_n]`: the fused decode +
-    o_proj launch's tile (FREETOKEN_ATTN_OPROJ_FUSED, attention/triton/decode_oproj.py). None when spec is
-    not of that form."""
+    (a sweep's best, say) without a named entry here. None when spec is not of that form."""
     parts = spec.split(":")
-    if len(parts) != 4 or parts[0] != "tile" or parts[1] not in (*_TILE_TABLES, "oproj"):
+    if len(parts) != 4 or parts[0] != "tile" or parts[1] not in _TILE_TABLES:
         return None
     try:
         n, k = (int(v) for v in parts[2].split("x"))
         nums = [int(v) for v in parts[3].split("/")]
     except ValueError:
         return None
-    if parts[1] == "oproj" and len(nums) in (4, 5):  # rows/bk/pre_k/warps[/keys an attention step]
-        return _tile(*_OPROJ_TABLE, (n, k), **dict(zip(("block_rows", "block_k", "pre_k", "num_warps", "block_n"), nums)))
-    if parts[1] == "oproj" or len(nums) != 4:
+    if len(nums) != 4:
         return None
     return _tile(*_TILE_TABLES[parts[1]], (n, k), **dict(zip(("block_n", "block_k", "num_warps", "num_stages"), nums)))
 
@@ -266,7 +259,7 @@ def main() -> None:
     ap.add_argument("--variants", default="base",
                     help="comma-separated; a+b applies both; env:FREETOKEN_X=1 sets a kernel switch for that run; "
                          "tree:DIR runs the freetoken_core package in DIR; tile:gemv|norm:NxK:bn/bk/warps/stages "
-                         "sets a one-row GEMV tile, tile:oproj:NxK:rows/bk/pre_k/warps[/block_n] the fused decode + o_proj one")
+                         "sets a one-row GEMV tile")
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--out-tokens", type=int, default=256)

@@ -56,11 +56,6 @@ class KernelEnv:
     rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
-    # FREETOKEN_ATTN_OPROJ_FUSED: batch-1 decode from the QKV row to o_proj in one launch (q/k norm + rotary,
-    # K/V store, split-KV attention and its merge, o_proj; attention/triton/decode_oproj.py). Off: measured
-    # slower on the H200 (Qwen3-30B-A3B batch 1: 2.511 ms a step with its best tile, 2.661 with the first,
-    # against 2.382 unfused; benchmarks/RESULTS.md, thirty-seventh session)
-    attn_oproj_fused: bool = False
 
     @staticmethod
     def variable(field_name: str) -> str:

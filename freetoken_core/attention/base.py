@@ -45,18 +45,6 @@ class KVStoreTarget(NamedTuple):
     out_loc: torch.Tensor  # [T] int32/int64: flat slot (page * page_size + offset) of each new row
 
 
-class QKNormRope(NamedTuple):
-    """A layer's per-head q/k RMSNorm and whole-head neox rotary, for a backend kernel that applies them
-    itself (`AttnBackend.fused_decode_oproj`). A tuple so that kernels can take its fields as they are."""
-
-    q_weight: torch.Tensor  # [D]
-    k_weight: torch.Tensor  # [D]
-    q_eps: float
-    k_eps: float
-    cos_sin_cache: torch.Tensor  # [positions, D]: [cos | sin] (RotaryEmbedding's table)
-    zero_centered: bool  # ZeroCenteredRMSNorm's formula, else LlamaRMSNorm's
-
-
 class AttnBackend(ABC):
     info: BackendInfo
 
@@ -82,14 +70,6 @@ class AttnBackend(ABC):
         and converted exactly as this backend's own store would, or None when the backend (or this
         batch's phase) needs its own store. A caller that writes there says so: `forward(...,
         kv_stored=True)`. Default: None (the backend stores in forward)."""
-        return None
-
-    def fused_decode_oproj(self, layer_id: int, batch: Batch, positions: torch.Tensor, qkv: torch.Tensor,
-                           norm_rope: QKNormRope, o_weight: torch.Tensor) -> torch.Tensor | None:
-        """o_proj(attention) of the batch's rows straight from the fused QKV row(s) `qkv` [T, (H + 2 Hkv) D]:
-        the q/k norm and rotary, the K/V store, attention and the bias-free o_proj (`o_weight` [N, H D]) in
-        whatever launches the backend has for them. None where it has none for this batch (the caller runs
-        the separate ops). Default: None."""
         return None
 
     # CUDA-graph hooks (engine/graph.py). Backends that cannot capture keep these defaults.

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..attention.base import KVStoreTarget, QKNormRope
+from ..attention.base import KVStoreTarget
 from ..core import Context, get_context
 from ..env import kernel_env
 from ..kvcache.spec import AttentionCacheSpec, LayerCacheSpec
@@ -75,9 +75,6 @@ class Attention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """The rest of the block after the fused QKV projection (the decoder layer runs that one
         together with its RMSNorm)."""
-        y = self._fused_decode_oproj(positions, qkv)
-        if y is not None:
-            return y
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
         q, gate = self.split_query(q.view(t, -1, self.head_dim))
@@ -111,23 +108,6 @@ class Attention(nn.Module):
         from ..kernels import fused_ops  # first CUDA use: CPU users never load Triton
 
         return fused_ops.use_fused(q) and type(self.rotary) is RotaryEmbedding  # a subclass may rotate otherwise
-
-    def _fused_decode_oproj(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor | None:
-        """FREETOKEN_ATTN_OPROJ_FUSED: one decode row from the QKV output to o_proj's in the backend's
-        launch (`AttnBackend.fused_decode_oproj`; Triton: attention/triton/decode_oproj.py), where the layer
-        is what that kernel knows: q/k norm with whole-head rotary (the fused q/k kernel's formulas), no
-        attention gate, a bias-free o_proj of this rank alone. None: the separate launches run."""
-        proj = self.o_proj
-        if (qkv.shape[0] != 1 or not kernel_env().attn_oproj_fused or not self._fuses_qk_norm_rotary(qkv)
-                or self.qkv_proj.q_size != self.num_heads * self.head_dim or self.rotary.rot_dim != self.head_dim
-                or type(proj) is not Linear or proj.parallel is not None or proj.bias is not None
-                or proj.weight.dtype != qkv.dtype or qkv.stride(-1) != 1):
-            return None
-        assert self.q_norm is not None and self.k_norm is not None
-        ctx = get_context()
-        norm_rope = QKNormRope(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.k_norm.eps,
-                               self.rotary.cos_sin_cache, isinstance(self.q_norm, ZeroCenteredRMSNorm))
-        return ctx.attn_backend.fused_decode_oproj(self.layer_id, ctx.batch, positions, qkv, norm_rope, proj.weight)
 
     def _kv_store_target(self, ctx: Context) -> KVStoreTarget | None:
         """FREETOKEN_ROTARY_STORE_KV: where the fused q/k norm + rotary kernel stores this layer's new

@@ -25,10 +25,9 @@ import torch
 
 from ...core import Batch, pinned, to_device
 from ...kvcache.pool import KVCache
-from ..base import AttnBackend, AttnLayout, BackendInfo, KVStoreTarget, QKNormRope
+from ..base import AttnBackend, AttnLayout, BackendInfo, KVStoreTarget
 from . import interpreter_on
 from .decode import alloc_partials, alloc_split_counters, decode_attention, num_kv_splits
-from .decode_oproj import alloc_oproj_scratch, decode_attention_oproj
 from .extend import extend_attention
 from .store_kv import store_kv
 
@@ -95,9 +94,6 @@ class TritonBackend(AttnBackend):
         self.dummy_row = page_table.shape[0] - 1
         self._graphs: dict[int, _GraphBuffers] = {}
         self._prefill_ints: torch.Tensor | None = None  # [5, slots] int32: the captured prefill steps' metadata
-        # the fused decode + o_proj launch's attention row and flags (left zero by every launch): allocated
-        # here, outside any graph capture, and shared by every layer, step and graph of this backend
-        self._oproj_scratch = alloc_oproj_scratch(layout.num_heads, layout.head_dim, self.device)
 
     # --- metadata ---------------------------------------------------------------------------
     def _to_device(self, rows: list[list[int]]) -> torch.Tensor:
@@ -149,23 +145,6 @@ class TritonBackend(AttnBackend):
             return None
         k_cache, v_cache = self.kv_cache.layer(layer_id)
         return KVStoreTarget(k_cache, v_cache, batch.out_loc)
-
-    def fused_decode_oproj(self, layer_id: int, batch: Batch, positions: torch.Tensor, qkv: torch.Tensor,
-                           norm_rope: QKNormRope, o_weight: torch.Tensor) -> torch.Tensor | None:
-        """A decode step of one request (eager or captured): `decode_oproj.decode_attention_oproj`, one
-        launch with this step's split count and scratch. None for other batches."""
-        md = batch.attn_metadata
-        if (not isinstance(md, TritonAttnMetadata) or md.phase != "decode" or md.table_rows.shape[0] != 1
-                or qkv.shape[0] != 1 or self.layout.head_dim & (self.layout.head_dim - 1)
-                or self.layout.num_kv_heads * md.num_splits > self.num_sms):  # see decode_oproj: one wave
-            return None
-        k_cache, v_cache = self.kv_cache.layer(layer_id)
-        return decode_attention_oproj(
-            qkv, positions, self.layout.num_heads, self.layout.num_kv_heads, *norm_rope, k_cache, v_cache,
-            self.page_table, md.table_rows, md.seq_lens, batch.out_loc, self.layout.scale, o_weight,
-            *self._oproj_scratch, num_splits=md.num_splits, part_out=md.part_out, part_lse=md.part_lse,
-            split_counters=md.split_counters,
-        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch,
                 kv_stored: bool = False) -> torch.Tensor:
