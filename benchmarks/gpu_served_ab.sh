@@ -34,7 +34,10 @@ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true
 # the device's copy of .git may be older than the tree it was sent (the commit line then misleads): the digest of
 # the tracked sources says which tree ran (`git ls-files -z freetoken_core model_repository | xargs -0 cat | sha1sum`
 # on the sending side gives the same)
-src=$(cd "$repo" && git ls-files -z freetoken_core model_repository 2>/dev/null | xargs -0 cat 2>/dev/null | sha1sum | cut -c1-12)
+# (a file the stale index lists but the tree no longer has is skipped: under pipefail its failing `cat` used to end
+# the whole call here, thirty-eighth session)
+src=$(cd "$repo" && { git ls-files -z freetoken_core model_repository 2>/dev/null | xargs -0 cat 2>/dev/null || true; } \
+  | sha1sum | cut -c1-12)
 echo "cpus: $(nproc), commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?'), sources: $src"
 python3 "$repo/benchmarks/host_idle.py" info || true
 if [ -n "${CPU_WAKE_LATENCY_US:-}" ]; then

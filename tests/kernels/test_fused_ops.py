@@ -215,7 +215,7 @@ def test_gpu_zero_centered_norms_bf16(t):
 @needs_cuda
 def test_gpu_zero_centered_layers_dispatch():
     """ZeroCenteredRMSNorm takes the fused kernel on CUDA, and norm_linear the fused norm + GEMV."""
-    from freetoken_core.kernels import gemv
+    from freetoken_core.kernels import norm_gemv
     from freetoken_core.layers import Linear, ZeroCenteredRMSNorm
     from freetoken_core.layers.norm_linear import norm_linear
 
@@ -227,7 +227,7 @@ def test_gpu_zero_centered_layers_dispatch():
     lin = Linear(2048, 9216, bias=False, dtype=torch.bfloat16).cuda()  # Qwen3.6's gated-attention qkv
     lin.weight.data.normal_(0, 0.02)
     y, h = norm_linear(norm, lin, x, res)
-    want, want_h = gemv.norm_gemv_reference(x, res, norm.weight, 1e-6, lin.weight, None, zero_centered=True)
+    want, want_h = norm_gemv.norm_gemv_reference(x, res, norm.weight, 1e-6, lin.weight, None, zero_centered=True)
     torch.testing.assert_close(h, want_h, atol=0, rtol=0)
     torch.testing.assert_close(y, want, atol=5e-2, rtol=2e-2)
 
