@@ -98,34 +98,6 @@ def _merge_partials(PartOut, PartLse, t, h, d, row_valid, mask, num_splits,
 
 
 @triton.jit
-def _split_keys(seq_len, active, split, BLOCK_N: tl.constexpr):
-    """(chunk, start, end): split `split`'s keys [start, end) when a request's seq_len keys are cut into `active`
-    chunks of a whole number of BLOCK_N blocks (the last ones may be short or empty)."""
-    chunk = tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    return chunk, start, tl.minimum(start + chunk, seq_len)
-
-
-@triton.jit
-def _store_partial(PartOut, PartLse, t, h, d, split, out, m_i, l_i, row_valid, mask,
-                   stride_pot, stride_poh, stride_pos, stride_plt, stride_plh):
-    """A split's normalised partial output (fp32) and its log-sum-exp (base 2; -inf for a split without keys)."""
-    tl.store(PartOut + t[:, None] * stride_pot + h[:, None] * stride_poh + split * stride_pos + d[None, :], out,
-             mask=mask)
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(PartLse + t * stride_plt + h * stride_plh + split, lse, mask=row_valid)
-
-
-@triton.jit
-def _split_ticket(counter):
-    """The in-kernel merge's ticket (CUTLASS's split-K semaphore): a CTA barrier, so that every thread's partial
-    stores come before the release, then one acq_rel atomic. The split that draws active - 1 merges and resets
-    the counter to 0 for the next launch."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-
-
-@triton.jit
 def _active_splits(seq_len, num_splits, min_split):
     """How many of the launch's splits a request of seq_len keys uses: no split shorter than min_split keys."""
     return tl.maximum(tl.minimum(num_splits, tl.cdiv(seq_len, min_split)), 1)
@@ -158,7 +130,9 @@ def _decode_split_kernel(
     if split >= active:  # this request is too short for so many splits
         return
     table_row = tl.load(TableRows + b).to(tl.int64)
-    chunk, start, end = _split_keys(seq_len, active, split, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(seq_len, active), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
 
     m = tl.arange(0, BLOCK_M)
     r = m // GROUP  # query row of the request
@@ -191,11 +165,14 @@ def _decode_split_kernel(
         tl.store(Out + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=store_mask)
     else:
-        _store_partial(PartOut, PartLse, t, h, d, split, out, m_i, l_i, row_valid, store_mask,
-                       stride_pot, stride_poh, stride_pos, stride_plt, stride_plh)
+        tl.store(PartOut + t[:, None] * stride_pot + h[:, None] * stride_poh + split * stride_pos + d[None, :],
+                 out, mask=store_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PartLse + t * stride_plt + h * stride_plh + split, lse, mask=row_valid)
         if FUSED_MERGE:
             counter = SplitCounters + b * tl.num_programs(1) + kv_head
-            ticket = _split_ticket(counter)
+            tl.debug_barrier()  # every thread's partial stores come before the release below
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == active - 1:  # the last split of this (request, KV head) to finish merges
                 merged = _merge_partials(PartOut, PartLse, t, h, d, row_valid, store_mask, active,
                                          stride_pot, stride_poh, stride_pos, stride_plt, stride_plh)
