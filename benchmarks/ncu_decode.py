@@ -4,6 +4,7 @@
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,\
 launch__registers_per_thread --csv --page raw \
         python3 benchmarks/ncu_decode.py run --shape qwen3-30b-a3b --prompt 16 --page-size 1 > ncu.csv
+                                                              (PYTHONPATH=$PWD, from the repository root)
     python3 benchmarks/ncu_decode.py table ncu.csv
 
 `run` builds the shape (random bf16 weights, CUDA graphs, PDL), decodes `--warm` steps of one
@@ -24,6 +25,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+# what `table` reads: the ncu command's --metrics
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "launch__grid_size", "launch__block_size",
            "launch__registers_per_thread")
 
@@ -56,8 +58,13 @@ def run(args: argparse.Namespace) -> None:
 
 def table(csv_path: Path, steps: int) -> None:
     lines = csv_path.read_text().splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    header = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if header is None:
+        raise SystemExit(f"{csv_path}: no ncu table (run ncu with --csv --page raw; did it profile any kernel?)")
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[header:]))))[1:]  # the row after the header: units
+    missing = [m for m in METRICS if rows and m not in rows[0]]
+    if missing:
+        raise SystemExit(f"{csv_path}: ncu was run without {', '.join(missing)} (its --metrics must name them)")
 
     def num(row: dict, key: str) -> float:
         return float(row[key].replace(",", ""))
@@ -76,8 +83,8 @@ def table(csv_path: Path, steps: int) -> None:
         b = statistics.median(v[1] for v in vals)
         per_step = sum(v[0] for v in vals) / steps / 1e3
         total += per_step
-        print(f"| {key} | {len(vals) / steps:g} | {t / 1e3:.2f} | {b / 1e6:.2f} | {b / t / 1e3:.2f} | {'/'.join(sorted(regs[key]))} | "
-              f"{per_step:.1f} |")
+        print(f"| {key} | {len(vals) / steps:g} | {t / 1e3:.2f} | {b / 1e6:.2f} | {b / t / 1e3:.2f} | "
+              f"{'/'.join(sorted(regs[key]))} | {per_step:.1f} |")
     print(f"kernels alone, summed: {total / 1e3:.3f} ms a step")
 
 
