@@ -34,17 +34,13 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from bench_decode import write_shape
-    from freetoken_core.config import EngineConfig, SamplingParams
-    from freetoken_core.scheduler.scheduler import Scheduler
+    from profile_decode import make_sched, start
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = EngineConfig(model_path=str(write_shape(args.shape, Path(tmp))), dtype="bfloat16", device="cuda",
-                           attention_backend="triton", max_running_req=1, page_size=args.page_size,
-                           max_seq_len=args.max_seq_len, max_extend_tokens=8192, load_format="dummy",
-                           memory_fraction=0.8, cuda_graph=True)
-        sched = Scheduler(cfg)
-        sched.add_request(list(range(100, 100 + args.prompt)),
-                          SamplingParams(max_tokens=args.warm + args.steps + 8, ignore_eos=True))
+        # memory_fraction as bench_decode's: the 30B's weights alone take 60 GB
+        sched = make_sched(write_shape(args.shape, Path(tmp)), True, 1, page_size=args.page_size,
+                           max_seq_len=args.max_seq_len, memory_fraction=0.8)
+        start(sched, 1, args.prompt, args.warm + args.steps + 8)  # the prompt's prefill
         for _ in range(args.warm):
             sched.step()
         torch.cuda.synchronize()

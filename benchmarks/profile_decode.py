@@ -22,10 +22,11 @@ from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.scheduler.scheduler import Scheduler
 
 
-def make_sched(model_dir: Path, graphs: bool, bs: int) -> Scheduler:
+def make_sched(model_dir: Path, graphs: bool, bs: int, page_size: int = 16, max_seq_len: int = 2048,
+               memory_fraction: float = 0.5) -> Scheduler:
     return Scheduler(EngineConfig(model_path=str(model_dir), dtype="bfloat16", device="cuda",
-                                  attention_backend="triton", max_running_req=max(bs, 1), page_size=16,
-                                  max_seq_len=2048, load_format="dummy", memory_fraction=0.5,
+                                  attention_backend="triton", max_running_req=max(bs, 1), page_size=page_size,
+                                  max_seq_len=max_seq_len, load_format="dummy", memory_fraction=memory_fraction,
                                   cuda_graph=graphs))
 
 
