@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..lifetime import watch_parent
 from ..parallel import TPInfo, set_tp_info
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config_dict: dict,
     from ..models.loader import load_model
     from .group import COLLECTIVE_TIMEOUT_S, backend_for, rank_device
 
+    watch_parent(f"tensor-parallel rank {rank}")  # rank 0's process is gone: no plan will come
     device = rank_device(torch.device(device_name), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -16,9 +16,9 @@ Why no one else can cancel (issue 14, defect 2):
 - the directory is named after a random engine id (`freetoken-cancel-<id:08x>`), so that the
   detokenizer can find the engine's second socket, `acks.sock`, from the id alone (below); the name
   grants nothing: the directory is created 0700 by the engine, and an existing one is never reused;
-- the key never reaches a client: the engine adds it only to requests whose `return_cancel_key`
-  input is set, which the ensemble's tokenizer step does and a direct client does not, and the
-  detokenizer has no cancel output. A client that sets it anyway sees the key of its own request.
+- the key never reaches a client: the engine adds it only to requests whose `ensemble_key` input
+  holds the server's secret, which the ensemble's tokenizer step sends and a direct client cannot
+  (serving/ensemble_secret.py), and the detokenizer has no cancel output.
 
 Delivery acks (issue 13) use the same directory: every streamed ensemble response carries
 (engine id, request uid, response seq) in its `meta` tensor; the detokenizer, after it has sent a

@@ -69,6 +69,8 @@ class LoopOptions:
     # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
     # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)
     inline_send_max: int = 2
+    # what the ensemble's slim responses carry to prove they come from this server (serving/ensemble_secret.py)
+    route_tag: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -87,7 +89,8 @@ class ActiveRequest:
     # streaming requests: whether anything went out yet (sender thread)
     streamed: bool = False
     cancelled: bool = False
-    cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.return_cancel_key)
+    cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.from_ensemble)
+    route_tag: tuple[int, int] = (0, 0)  # LoopOptions.route_tag
     last_probe: float = 0.0
     key_sent_at: float | None = None  # when a response last carried cancel_key (sender thread)
     # flow control (sender thread): seq of the next acked response; seq -> when it was sent
@@ -113,7 +116,8 @@ class ActiveRequest:
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs)
+                                      self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs,
+                                      self.route_tag)
 
 
 class EngineLoop:
@@ -199,6 +203,7 @@ class EngineLoop:
         self.sender.stop(timeout)
         self._cancel_channel.close()
         self.sched.close()  # the engine process (engine_process.py) or tensor-parallel workers stop with the model
+        self.metrics.clear_gauges()
 
     # --- engine thread ------------------------------------------------------------------------
     def _engine_main(self) -> None:
@@ -285,9 +290,10 @@ class EngineLoop:
                 self.reject(handle, f"{type(e).__name__}: {e}")
                 continue
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
-            key = self._cancel_channel.register(uid) if parsed.return_cancel_key else ""
+            key = self._cancel_channel.register(uid) if parsed.from_ensemble else ""
             self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window, cancel_key=key,
-                                              last_probe=t_arrival, t_admitted=t_admitted)
+                                              last_probe=t_arrival, t_admitted=t_admitted,
+                                              route_tag=self.opt.route_tag)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
 
     def _abort_gone(self) -> None:

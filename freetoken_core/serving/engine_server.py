@@ -18,6 +18,7 @@ from multiprocessing.connection import Listener
 from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
+from freetoken_core.lifetime import watch_parent
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_process
 from freetoken_core.serving.engine_share import MAX_INSTANCES
@@ -83,6 +84,7 @@ class ChildOptions:
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
                 listen: tuple[str, bytes] | None = None, options: ChildOptions = ChildOptions()) -> None:
     configure_logging("[engine]")
+    watch_parent("engine process")  # its stub is gone: nobody is left to send a `stop`
     ring = None
     try:
         if options.engine_cpus:  # before the model loads: every thread started from here on stays there too

@@ -16,16 +16,18 @@ from typing import Any
 import numpy as np
 
 from freetoken_core.serving.cpu_affinity import engine_cpus_of_model
+from freetoken_core.serving.ensemble_secret import is_ensemble_key, route_tag
 from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.gc_freeze import freeze_startup_heap, gc_freeze_wanted
+from freetoken_core.lifetime import kill_children, watch_parent
 from freetoken_core.serving.metrics import TritonMetrics
 from freetoken_core.serving.params import (
     engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
     inflight_budget, serving_options, stream_interval,
 )
 from freetoken_core.serving.report import configure_logging
-from freetoken_core.serving.request import parse_request
+from freetoken_core.serving.request import _scalar, _text, parse_request
 from freetoken_core.serving.triton_io import input_arrays
 
 log = logging.getLogger("freetoken_core.serving")
@@ -34,7 +36,7 @@ INPUT_NAMES = (
     "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "random_seed",
     "min_tokens", "min_length", "ignore_eos", "beam_width", "stop_words", "stop_token_ids", "bad_words",
     "exclude_input_in_output", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
-    "return_finish_reason", "sampling_parameters", "text_input", "return_cancel_key", "detok_acks",
+    "return_finish_reason", "sampling_parameters", "text_input", "ensemble_key", "detok_acks",
 )
 
 
@@ -138,6 +140,17 @@ def max_inflight(option: float, model_dir: str, send_order: bool = False, budget
     return 4 if send_order or detokenizer_instances(model_dir) == 1 else 1
 
 
+def from_ensemble(tensors: dict[str, np.ndarray]) -> bool:
+    """Whether the ensemble's tokenizer step sent this request: its `ensemble_key` is the server's secret. A
+    client that sends one is refused, whatever it holds (serving/ensemble_secret.py)."""
+    key = tensors.get("ensemble_key")
+    if key is None:
+        return False
+    if not is_ensemble_key(_text(_scalar(key))):
+        raise ValueError("ensemble_key is internal to the ensemble: leave it out")
+    return True
+
+
 class TritonTransport:
     def __init__(self, pb_utils: Any) -> None:
         self.pb = pb_utils
@@ -162,6 +175,9 @@ class FreetokenModel:
         configure_logging()
         self.pb = pb_utils
         self.model_name = args.get("model_name", "freetoken")
+        self.sched: Any = None
+        # a stub outlives a killed tritonserver otherwise, and its engine process with it (serving/lifetime.py)
+        watch_parent(f"{self.model_name} stub", on_orphaned=self._end_engine_process)
         model_config = json.loads(args["model_config"])
         params = parse_model_config_params(model_config)
         self.options = serving_options(params)
@@ -220,6 +236,7 @@ class FreetokenModel:
                 inflight_budget=ordered_budget,
                 sender_threads=sender_threads(self.options),
                 send_order=send_order,
+                route_tag=route_tag(),
             ),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,
@@ -237,6 +254,11 @@ class FreetokenModel:
         log.info("engine ready: %d KV pages of %d tokens", stats.num_total_pages, stats.page_size)
         if gc_freeze:
             freeze_startup_heap(f"{self.model_name} instance")
+
+    def _end_engine_process(self) -> None:
+        proc = getattr(self.sched, "_proc", None)
+        if proc is not None and proc.pid is not None:
+            kill_children([proc.pid])
 
     def _unload_self(self, reason: str) -> None:
         """The device is unusable: unload this model (and the ensemble that needs it), so its ready
@@ -258,9 +280,10 @@ class FreetokenModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_request(input_arrays(pb, request, INPUT_NAMES), self.max_tokens_limit,
-                                       max_nonstream_tokens=self.max_nonstream_tokens,
-                                       send_unasked_outputs=self.send_unasked_outputs)
+                tensors = input_arrays(pb, request, INPUT_NAMES)
+                parsed = parse_request(tensors, self.max_tokens_limit, max_nonstream_tokens=self.max_nonstream_tokens,
+                                       send_unasked_outputs=self.send_unasked_outputs,
+                                       from_ensemble=from_ensemble(tensors))
             except ValueError as e:
                 self.loop.reject(sender, str(e))
                 continue

@@ -29,16 +29,28 @@ from typing import Callable, Mapping
 
 from freetoken_core.serving.cpu_affinity import (engine_cpus_of_model, format_cpu_list, keep_off, parse_cpu_list,
                                                  resolve_engine_cpus)
+from freetoken_core.serving.ensemble_secret import SECRET_ENV, new_secret
+from freetoken_core.serving.guard import (RUN_SHM_PREFIX_ENV, GuardOrders, RunFiles, remove_stale_runs, start_guard,
+                                         stop_guard)
+from freetoken_core.lifetime import die_with_parent
 from freetoken_core.serving.params import all_param_names, env_overrides
 from freetoken_core.serving.report import configure_logging
+from freetoken_core.serving.supervisor import RESTARTS_SPENT_EXIT, EngineSupervisor, RestartPolicy
 from freetoken_core.serving.tritonserver import find_tritonserver, server_env
 
 log = logging.getLogger(__name__)
 
 MODEL_NAMES = ("tokenizer", "freetoken", "detokenizer", "ensemble")
-PR_SET_DEATHSIG = 1  # <sys/prctl.h>
-# Header a client must send to reach the model-repository (load/unload) API; the value is random per start.
+# Header a client must send to reach the admin APIs (RESTRICTED_APIS); the value is random per start.
 ADMIN_HEADER = "freetoken-admin"
+# Triton's API categories that only the admin header reaches: model load/unload, registering shared memory (a
+# client could map the Python backend's own IPC regions), changing the log level, and tracing.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
+DEFAULT_ENGINE_RESTARTS = 3
+ENGINE_RESTARTS_ENV = "FREETOKEN_ENGINE_RESTARTS"
+# How often `serve` looks at the engine model's readiness: an unload takes ~1.5 s, and the reload must be asked
+# for before it ends (serving/supervisor.py)
+SUPERVISE_INTERVAL_S = 0.1
 # Seconds tritonserver waits for in-flight requests after SIGTERM before it exits anyway.
 SERVER_EXIT_TIMEOUT_S = 10
 # Instance counts, overridable like the engine parameters: the stateless Python models', and the engine
@@ -183,20 +195,28 @@ class ServerHandle:
     grpc_port: int
     metrics_port: int
     log_path: Path | None = None
-    admin_key: str = ""  # value of the ADMIN_HEADER the model-repository API demands (load/unload)
+    admin_key: str = ""  # value of the ADMIN_HEADER the admin APIs demand (RESTRICTED_APIS)
+    run: RunFiles | None = None  # the server's temporary files (its TMPDIR and /dev/shm regions)
+    guard: subprocess.Popen | None = None  # takes the server down if this process dies (serving/guard.py)
+    host: str = "127.0.0.1"  # where clients of this process reach it
+    ensemble_secret: str = ""  # the server's (serving/ensemble_secret.py): for tests that play the tokenizer step
     _owned_dirs: list[Path] = field(default_factory=list)
 
     @property
     def http_url(self) -> str:
-        return f"localhost:{self.http_port}"
+        return f"{self.host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
-        return f"localhost:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://localhost:{self.metrics_port}/metrics"
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {ADMIN_HEADER: self.admin_key}
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -207,15 +227,26 @@ class ServerHandle:
         return self.log_path.read_text(errors="replace")[-n:]
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGINT (tritonserver unloads its models and drains), SIGKILL after `timeout`; then whatever of its
+        process group is left (a stub or engine process that outlived it) and its files."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)  # tritonserver unloads models on SIGINT/SIGTERM
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.run is not None:
+            self.run.remove()
         for d in self._owned_dirs:
             shutil.rmtree(d, ignore_errors=True)
+        if self.guard is not None:
+            stop_guard(self.guard)
+            self.guard = None
 
 
 def _http_ok(url: str) -> bool:
@@ -229,7 +260,7 @@ def _http_ok(url: str) -> bool:
 def wait_ready(handle: ServerHandle, timeout: float = 600.0, models: tuple[str, ...] = MODEL_NAMES) -> None:
     """Poll until the server and every model report ready; fail fast if the server exits."""
     deadline = time.monotonic() + timeout
-    base = f"http://localhost:{handle.http_port}"
+    base = f"http://{handle.http_url}"
     while time.monotonic() < deadline:
         if not handle.alive():
             raise RuntimeError(f"tritonserver exited with code {handle.process.returncode}:\n{handle.log_tail()}")
@@ -249,6 +280,7 @@ def start_server(
     log_path: Path | None = None,
     extra_args: list[str] | None = None,
     ready_timeout: float = 600.0,
+    host: str = "0.0.0.0",
 ) -> ServerHandle:
     """Start tritonserver on a runtime copy of the repository and wait until it is ready.
 
@@ -259,6 +291,7 @@ def start_server(
         from freetoken_core.models.gguf import default_model_path
 
         overrides["model_path"] = default_model_path()
+    remove_stale_runs()
     owned: list[Path] = []
     if repo_dir is None:
         repo_dir = Path(tempfile.mkdtemp(prefix="freetoken-repo-"))
@@ -266,8 +299,8 @@ def start_server(
     render_repository(Path(repo_dir), overrides)
     engine_cpus = get_parameter((Path(repo_dir) / "freetoken" / "config.pbtxt").read_text(), "engine_cpus") or ""
     handle = spawn_tritonserver(Path(repo_dir), http_port, grpc_port, metrics_port, log_path, extra_args,
-                                cpus_off=parse_cpu_list(engine_cpus) if engine_cpus else frozenset())
-    handle._owned_dirs.extend(owned)
+                                cpus_off=parse_cpu_list(engine_cpus) if engine_cpus else frozenset(), host=host,
+                                owned_dirs=tuple(owned))
     try:
         wait_ready(handle, ready_timeout)
     except BaseException:
@@ -285,18 +318,24 @@ def spawn_tritonserver(
     extra_args: list[str] | None = None,
     env: Mapping[str, str] | None = None,
     cpus_off: frozenset[int] = frozenset(),
+    host: str = "0.0.0.0",
+    owned_dirs: tuple[Path, ...] = (),
 ) -> ServerHandle:
     """Start tritonserver on `repo_dir` (free ports unless given); does not wait for readiness. With `cpus_off`
     the server (and every stub it starts) runs on the other CPUs: the engine process's own (engine_cpus).
 
-    The server runs in its own session (a Ctrl-C meant for the launcher must not hit it before the
-    launcher unloads it cleanly), but its life is tied to the launcher's: see `die_with_parent`."""
+    The server runs in its own session and process group (a Ctrl-C meant for the launcher must not hit it
+    before the launcher unloads it cleanly), but its life is tied to the launcher's: the parent-death signal
+    (serving/lifetime.py) and a guard process (serving/guard.py) that SIGKILLs its whole group and removes its
+    files (`owned_dirs` too) if the launcher dies."""
     install = find_tritonserver()
     admin_key = secrets.token_hex(16)
     ports = free_ports(3)
     http_port = http_port or ports[0]
     grpc_port = grpc_port or ports[1]
     metrics_port = metrics_port or ports[2]
+    run = RunFiles.new().create()
+    restricted = ",".join(RESTRICTED_APIS)
     cmd = [
         str(install.binary),
         f"--model-repository={repo_dir}",
@@ -304,30 +343,40 @@ def spawn_tritonserver(
         f"--http-port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--metrics-port={metrics_port}",
+        f"--http-address={host}",
+        f"--grpc-address={host}",
+        f"--metrics-address={host}",
         "--allow-metrics=true",
         "--log-verbose=0",
         # bounded shutdown: after a SIGTERM (ours, or the parent-death signal) in-flight requests get
         # this long, then the server exits anyway and frees its ports and device memory
         f"--exit-timeout-secs={SERVER_EXIT_TIMEOUT_S}",
-        # explicit model control (every model loaded at start) lets the engine unload itself when its
-        # device fails, so its ready endpoint says so (serving/faults.py). It also opens the
-        # load/unload API to clients: that stays closed unless a request carries this random header.
+        # explicit model control (every model loaded at start) lets the engine unload itself when it
+        # dies, so its ready endpoint says so (serving/faults.py), and `serve` reload it. The admin APIs
+        # stay closed unless a request carries this random header.
         "--model-control-mode=explicit",
         "--load-model=*",
-        f"--http-restricted-api=model-repository:{ADMIN_HEADER}={admin_key}",
-        f"--grpc-restricted-protocol=model-repository:{ADMIN_HEADER}={admin_key}",
+        # the Python backend's IPC regions carry the run's prefix, so the guard finds them
+        f"--backend-config=python,shm-region-prefix-name={run.shm_prefix}",
+        f"--http-restricted-api={restricted}:{ADMIN_HEADER}={admin_key}",
+        f"--grpc-restricted-protocol={restricted}:{ADMIN_HEADER}={admin_key}",
         *(extra_args or []),
     ]
-    log.info("starting %s", " ".join(cmd))
+    log.info("starting %s", " ".join(cmd).replace(admin_key, "<admin key>"))
     out = open(log_path, "w") if log_path else None  # noqa: SIM115 (closed with the process)
     preexec = die_with_parent(signal.SIGTERM)
     if cpus_off:
         log.info("tritonserver runs off CPU(s) %s (the engine process's)", format_cpu_list(cpus_off))
         preexec = chain_preexec(keep_off(cpus_off), preexec)
-    proc = subprocess.Popen(cmd, env={**server_env(install), **(env or {})}, stdout=out,
-                            stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                            preexec_fn=preexec)
-    return ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, admin_key=admin_key)
+    secret = new_secret()
+    server_vars = {**server_env(install), **(env or {}), "TMPDIR": str(run.dir), RUN_SHM_PREFIX_ENV: run.shm_prefix,
+                   SECRET_ENV: secret}
+    proc = subprocess.Popen(cmd, env=server_vars, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            start_new_session=True, preexec_fn=preexec)
+    guard = start_guard(GuardOrders(proc.pid, run.tag, tuple(map(str, owned_dirs))))
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, admin_key=admin_key,
+                        run=run, guard=guard, host=client_host, ensemble_secret=secret, _owned_dirs=list(owned_dirs))
 
 
 def chain_preexec(*steps: Callable[[], None]) -> Callable[[], None]:
@@ -335,29 +384,6 @@ def chain_preexec(*steps: Callable[[], None]) -> Callable[[], None]:
     def preexec() -> None:
         for step in steps:
             step()
-
-    return preexec
-
-
-def die_with_parent(sig: int) -> Callable[[], None]:
-    """A Popen preexec_fn: the child gets `sig` when the thread that started it dies, however it dies.
-
-    Without it a SIGKILLed launcher (OOM killer, CI timeout) leaves tritonserver running in its own
-    session, holding its ports and GPU memory (seen on the H200). Linux's PR_SET_DEATHSIG does this;
-    it fires when the *thread* that forked exits, so start the server from a long-lived thread (the
-    main thread, as `serve` and the tests do). If the launcher already died between fork and prctl,
-    the child has been re-parented: it exits at once. libc is resolved here, before the fork, so the
-    child runs no import machinery."""
-    import ctypes
-
-    parent = os.getpid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    prctl = libc.prctl
-
-    def preexec() -> None:
-        prctl(PR_SET_DEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(1)
 
     return preexec
 
@@ -388,6 +414,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, help="default: a free port")
     p.add_argument("--repo-dir", type=Path, help="where to write the runtime model repository (default: a temp dir)")
     p.add_argument("--ready-timeout", type=float, default=600.0)
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address the HTTP, gRPC and metrics ports listen on (default 0.0.0.0, for containers; "
+                        "127.0.0.1 keeps a single-host server off the network)")
+    p.add_argument("--engine-restarts", type=int, default=None,
+                   help=f"how often a dead engine is restarted before serve exits with code {RESTARTS_SPENT_EXIT} "
+                        f"(default {DEFAULT_ENGINE_RESTARTS}, or ${ENGINE_RESTARTS_ENV})")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="one more tritonserver argument, as --server-arg=--trace-config=level=TIMESTAMPS (repeatable)")
 
@@ -405,22 +437,33 @@ def serve_main(args: argparse.Namespace) -> int:
         k, v = item.split("=", 1)
         overrides[k.strip()] = v
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    restarts = args.engine_restarts if args.engine_restarts is not None else int(
+        os.environ.get(ENGINE_RESTARTS_ENV, DEFAULT_ENGINE_RESTARTS))
+    if restarts < 0:
+        raise SystemExit(f"--engine-restarts must be >= 0, got {restarts}")
     handle = start_server(overrides, args.http_port, args.grpc_port, args.metrics_port, args.repo_dir,
-                          extra_args=args.server_arg, ready_timeout=args.ready_timeout)
+                          extra_args=args.server_arg, ready_timeout=args.ready_timeout, host=args.host)
     print("\nfreetoken is serving on tritonserver (Ctrl-C stops it)\n" + sample_commands(handle) + "\n", flush=True)
+    supervisor = EngineSupervisor(f"http://{handle.http_url}", handle.admin_headers, RestartPolicy(restarts))
     stop = {"now": False}
 
     def _on_term(signum, frame):  # noqa: ARG001
         stop["now"] = True
 
     signal.signal(signal.SIGTERM, _on_term)
+    spent = False
     try:
         while handle.alive() and not stop["now"]:
-            time.sleep(0.5)
+            time.sleep(SUPERVISE_INTERVAL_S)
+            if not supervisor.check():
+                spent = True
+                break
     except KeyboardInterrupt:
         pass
     finally:
         handle.stop()
+    if spent:
+        return RESTARTS_SPENT_EXIT
     return 0 if stop["now"] or handle.process.returncode in (0, None, -signal.SIGINT) else handle.process.returncode
 
 

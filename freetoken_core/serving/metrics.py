@@ -32,6 +32,8 @@ class EngineMetrics:
         responses are with the sender)."""
 
     def set_engine_stats(self, stats: EngineStats) -> None: ...
+    def clear_gauges(self) -> None:
+        """The engine is gone (the model unloads): no gauge may keep its last value."""
 
 
 class TritonMetrics(EngineMetrics):
@@ -127,6 +129,12 @@ class TritonMetrics(EngineMetrics):
         self.kv_usage.set(stats.kv_usage)
         self.kv_free.set(stats.num_free_pages)
         self.kv_total.set(stats.num_total_pages)
+
+    def clear_gauges(self) -> None:
+        for gauge in (self.running, self.waiting, self.kv_usage, self.kv_free, self.kv_total, *self._moe_layers,
+                      *(self._moe or ())):
+            gauge.set(0)
+        self._last = None
 
     def _set_moe(self, moe: dict) -> None:
         f = self._families

@@ -35,6 +35,8 @@ import os
 import platform
 import tempfile
 
+from freetoken_core.serving.guard import RUN_SHM_PREFIX_ENV
+
 HEADER = 128  # [0]: bytes written, [8] (byte 64): bytes read
 RECORD_HEADER = 8
 WRAP = 0xFFFFFFFF
@@ -79,7 +81,9 @@ class MsgRing:
     @classmethod
     def create(cls, capacity: int) -> "MsgRing":
         capacity = max(_align8(capacity), 4096)
-        fd, path = tempfile.mkstemp(prefix="freetoken-ring-", dir=_shm_dir())
+        # under `serve` the file takes the run's prefix, so the guard removes it if the server is killed
+        prefix = os.environ.get(RUN_SHM_PREFIX_ENV, "freetoken-") + "ring-"
+        fd, path = tempfile.mkstemp(prefix=prefix, dir=_shm_dir())
         try:
             os.posix_fallocate(fd, 0, HEADER + capacity)  # ENOSPC now, not a SIGBUS on a later write
             mm = mmap.mmap(fd, HEADER + capacity)

@@ -42,9 +42,9 @@ class ParsedRequest:
     # outputs the client turned off (return_finish_reason / return_num_input_tokens /
     # return_num_output_tokens = false): left out of every response, as TensorRT-LLM's ensemble does
     omit_outputs: frozenset[str] = frozenset()
-    # set by the ensemble's tokenizer step: responses carry a cancel key for the detokenizer
-    # (serving/cancel.py); a direct client leaves it unset and never sees a cancel field
-    return_cancel_key: bool = False
+    # the request came through the ensemble (its tokenizer step proved it: serving/ensemble_secret.py): responses
+    # carry a cancel key for the detokenizer (serving/cancel.py); a direct client never sees a cancel field
+    from_ensemble: bool = False
     # set by the ensemble's tokenizer step too: its detokenizer acks each streamed response, and the
     # engine paces the stream by them (flow control); a client emulating the tokenizer without a
     # detokenizer that acks leaves it unset and is not paced
@@ -150,6 +150,7 @@ def parse_request(
     vocab_size: int | None = None,
     max_nonstream_tokens: int | None = None,
     send_unasked_outputs: bool = True,
+    from_ensemble: bool = False,
 ) -> ParsedRequest:
     """Validate one request; raise ValueError with a message that names the bad input or limit.
     send_unasked_outputs (serving parameter optional_outputs): whether an optional output whose return_<name> input
@@ -224,7 +225,7 @@ def parse_request(
         prompt_text=_text(prompt) if (prompt is not None and not exclude and not stream) else "",
         detok_params=detok_params_json(params),
         omit_outputs=omit,
-        return_cancel_key=bool(_scalar(tensors.get("return_cancel_key")) or False),
+        from_ensemble=from_ensemble,
         detok_acks=bool(_scalar(tensors.get("detok_acks")) or False),
     )
 

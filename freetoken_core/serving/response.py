@@ -59,8 +59,9 @@ def build_outputs(
 # tensor count, not its bytes: each tensor is a pb.Tensor to build in the stub, a shared-memory block to
 # send, an output for the server and an input of the detokenizer's request). Layout: a header of
 # META_HEADER values [flags, num_input_tokens, num_output_tokens, engine id, uid, seq, order slot (-1:
-# none), len(context), len(next_tokens)], then the context window's tokens, then next_tokens.
-META_HEADER = 9
+# none), len(context), len(next_tokens), route tag (2 values)], then the context window's tokens, then
+# next_tokens. The route tag proves the response comes from this server's engine (serving/ensemble_secret.py).
+META_HEADER = 11
 # meta[0] bits
 META_FINISHED = 1
 META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8}
@@ -79,6 +80,7 @@ class EnsembleMeta:
     slot: int  # the stream's slot in the engine's order table, -1: none
     context_tokens: np.ndarray
     next_tokens: np.ndarray
+    route_tag: tuple[int, int] = (0, 0)
 
     @property
     def finished(self) -> bool:
@@ -97,12 +99,13 @@ def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
     m = np.asarray(meta, dtype=np.int32).reshape(-1)
     if m.size < META_HEADER:
         raise ValueError(f"meta holds {m.size} values, fewer than its {META_HEADER}-value header")
-    flags, n_in, n_out, engine, uid, seq, slot, n_ctx, n_new = m[:META_HEADER].tolist()
+    flags, n_in, n_out, engine, uid, seq, slot, n_ctx, n_new, tag0, tag1 = m[:META_HEADER].tolist()
     if n_ctx < 0 or n_new < 0 or META_HEADER + n_ctx + n_new != m.size:
         raise ValueError(f"meta holds {m.size} values, but its header says {META_HEADER} + {n_ctx} context "
                          f"+ {n_new} new tokens")
     ack = (engine, uid, seq) if flags & META_ACK else None
-    return EnsembleMeta(flags, n_in, n_out, ack, slot, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:])
+    return EnsembleMeta(flags, n_in, n_out, ack, slot, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:],
+                        (tag0, tag1))
 
 
 def build_ensemble_outputs(
@@ -117,6 +120,7 @@ def build_ensemble_outputs(
     ack: tuple[int, int, int] | None = None,
     order_slot: int | None = None,
     logprobs_asked: bool = False,
+    route_tag: tuple[int, int] = (0, 0),
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
     response and nothing else. The tokens and every number go in `meta` (one tensor, layout above);
@@ -127,7 +131,9 @@ def build_ensemble_outputs(
     engine's flow control and per-stream order rest on it); `order_slot` (with `ack`): the stream's
     slot in the engine's order table, so that it is sent only after its previous response
     (serving/send_order.py). `logprobs_asked`: the client asked for logprobs, so the detokenizer answers with a
-    logprobs output (empty when this response has none); otherwise it sends none, one tensor fewer a response."""
+    logprobs output (empty when this response has none); otherwise it sends none, one tensor fewer a response.
+    `route_tag`: this server's (serving/ensemble_secret.py), checked by the detokenizer before it touches an order
+    table or acks anything."""
     flags = META_FINISHED if msg.finished else 0
     if logprobs_asked:
         flags |= META_LOGPROBS
@@ -139,7 +145,8 @@ def build_ensemble_outputs(
     n_ctx, n_new = len(context_tokens), len(next_tokens)
     meta = np.empty(META_HEADER + n_ctx + n_new, dtype=np.int32)
     slot = order_slot if ack is not None and order_slot is not None else -1
-    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, slot, n_ctx, n_new)
+    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, slot, n_ctx, n_new,
+                          *route_tag)
     meta[META_HEADER:META_HEADER + n_ctx] = context_tokens
     meta[META_HEADER + n_ctx:] = next_tokens
     out = {"meta": meta}

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from freetoken_core.serving.cancel import notify_cancel
+from freetoken_core.serving.ensemble_secret import ensemble_secret, route_tag
 from freetoken_core.serving.chat import parse_chat_messages
 from freetoken_core.serving.response import META_LOGPROBS, META_OMIT, EnsembleMeta, read_ensemble_meta
 from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
@@ -55,9 +56,9 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[
     return {
         "input_ids": np.asarray(ids, dtype=np.int32),
         "stop_token_ids": np.asarray(stop_ids, dtype=np.int32),
-        # tells the engine that this request comes through the ensemble, whose detokenizer forwards
+        # proves to the engine that this request comes through the ensemble, whose detokenizer forwards
         # cancels (serving/cancel.py); clients calling `freetoken` directly never get a cancel key
-        "return_cancel_key": np.array([True]),
+        "ensemble_key": np.array([ensemble_secret().encode()], dtype=np.object_),
         # and that its detokenizer acks each streamed response (the engine's flow control)
         "detok_acks": np.array([True]),
     }
@@ -77,6 +78,14 @@ def ensemble_meta_of(tensors: Mapping[str, np.ndarray]) -> EnsembleMeta | None:
     """A slim engine response's `meta`, read (response.build_ensemble_outputs); None for the full one."""
     meta = tensors.get("meta")
     return None if meta is None else read_ensemble_meta(meta)
+
+
+def check_route(meta: EnsembleMeta | None) -> EnsembleMeta | None:
+    """A slim response must carry this server's route tag before the detokenizer waits in an order table or acks
+    anything for it: a client calling the detokenizer directly is refused at once (serving/ensemble_secret.py)."""
+    if meta is not None and meta.route_tag != route_tag():
+        raise ValueError("meta is internal to the ensemble: this response was not made by this server's engine")
+    return meta
 
 
 def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:

@@ -59,8 +59,28 @@ def _aborted(server) -> float:
     return metric(scrape_metrics(server.metrics_url), "freetoken_request_finished_total", finish_reason="abort")
 
 
+def test_a_client_cannot_claim_to_be_the_ensemble(triton_server):
+    """`ensemble_key` is the tokenizer step's proof: a client that sends one is refused at once, and the old
+    `return_cancel_key` input is gone (an unknown input)."""
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        for name, value, dtype in (("ensemble_key", "guess", "BYTES"), ("return_cancel_key", True, "BOOL")):
+            q: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: q.put((result, error)))
+            t0 = time.monotonic()
+            client.async_stream_infer("freetoken", [
+                _input("input_ids", [504, 3458, 282], "INT32"), _input("max_tokens", 4, "INT32"),
+                _input(name, value, dtype)], enable_empty_final_response=True)
+            result, error = q.get(timeout=30)
+            assert error is not None and name in str(error), (name, result, error)
+            assert time.monotonic() - t0 < 5
+            client.stop_stream()
+    finally:
+        client.close()
+
+
 def test_forged_cancel_keys_do_not_cancel(triton_server):
-    """A request that asks for its own key (what the ensemble's tokenizer step does) learns the socket;
+    """A request that plays the ensemble's tokenizer step (with the server's secret) learns the socket;
     tokens it makes up there cancel nothing, the real one cancels at once."""
     client = grpcclient.InferenceServerClient(triton_server.grpc_url)
     q: queue.Queue = queue.Queue()
@@ -70,7 +90,7 @@ def test_forged_cancel_keys_do_not_cancel(triton_server):
         client.async_stream_infer("freetoken", [
             _input("input_ids", [504, 3458, 282], "INT32"), _input("max_tokens", 400, "INT32"),
             _input("stream", True, "BOOL"), _input("ignore_eos", True, "BOOL"),
-            _input("return_cancel_key", True, "BOOL")], enable_empty_final_response=True)
+            _input("ensemble_key", triton_server.ensemble_secret, "BYTES")], enable_empty_final_response=True)
         result, error = q.get(timeout=60)
         assert error is None, error
         key = result.as_numpy("cancel_key")[0].decode()
@@ -95,4 +115,29 @@ def test_forged_cancel_keys_do_not_cancel(triton_server):
         assert tokens < 400
     finally:
         client.stop_stream()
+        client.close()
+
+
+def test_forged_detokenizer_requests_are_refused_at_once(triton_server):
+    """A client that calls the detokenizer with a slim engine response it made up (naming a stream's slot in an
+    order table) is refused before the detokenizer waits for that stream's turn or acks anything."""
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.response import build_ensemble_outputs
+
+    msg = DetokenizeMsg(uid=5, next_tokens=[504], finished=False)
+    meta = build_ensemble_outputs(msg, [504], None, [], "", "", ack=(12345, 5, 3), order_slot=0,
+                                  route_tag=(1, 2))["meta"]
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    try:
+        for _ in range(3):
+            q: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: q.put((result, error)))
+            t0 = time.monotonic()
+            client.async_stream_infer("detokenizer", [_input("meta", meta.tolist(), "INT32")], enable_empty_final_response=True)
+            result, error = q.get(timeout=30)
+            took = time.monotonic() - t0
+            client.stop_stream()
+            assert error is not None and "meta is internal" in str(error), (result, error)
+            assert took < 0.5, f"refused only after {took:.2f} s"
+    finally:
         client.close()

@@ -122,7 +122,7 @@ def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(ll
     ids = llm.encode("Write one sentence about cats.")
     loop.start()
     try:
-        loop.submit("ens", ParsedRequest(input_ids=ids, params=params, return_cancel_key=True))
+        loop.submit("ens", ParsedRequest(input_ids=ids, params=params, from_ensemble=True))
         loop.submit("direct", ParsedRequest(input_ids=ids, params=params))
         assert transport.done.wait(120)
     finally:
@@ -147,7 +147,7 @@ def run_acked_streams(llm, prompts, params, transport: RecordingTransport, optio
     try:
         for i, p in enumerate(prompts):
             loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True,
-                                               return_cancel_key=True, detok_acks=True))
+                                               from_ensemble=True, detok_acks=True))
         if together:
             loop.start()
         assert transport.done.wait(120)
@@ -246,7 +246,7 @@ def test_a_late_ack_is_waited_for_once_acks_are_known_to_arrive(llm):
     loop.start()
     try:
         loop.submit("h0", ParsedRequest(input_ids=llm.encode("Hi"), params=params, stream=True,
-                                        return_cancel_key=True, detok_acks=True))
+                                        from_ensemble=True, detok_acks=True))
         assert transport.done.wait(60)
     finally:
         loop.stop()
@@ -266,7 +266,7 @@ def test_streams_without_detok_acks_are_not_paced(llm):
     loop.start()
     try:
         loop.submit("h0", ParsedRequest(input_ids=llm.encode("Hi"), params=params, stream=True,
-                                        return_cancel_key=True))
+                                        from_ensemble=True))
         assert transport.done.wait(20)  # paced, it would wait 30 s for the first ack that never comes
     finally:
         loop.stop()

@@ -190,7 +190,7 @@ def test_acked_streams_through_the_engine_process_stay_exact(smollm2_path, llm, 
     try:
         for i, p in enumerate(prompts):
             loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode(p), params=params, stream=True,
-                                               return_cancel_key=True, detok_acks=True))
+                                               from_ensemble=True, detok_acks=True))
         assert transport.done.wait(120)
     finally:
         loop.stop()

@@ -17,8 +17,9 @@ import triton_python_backend_utils as pb_utils
 from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter, channel_dir
 from freetoken_core.serving.gc_freeze import freeze_text_model
 from freetoken_core.serving.send_order import SendOrder
+from freetoken_core.lifetime import watch_parent
 from freetoken_core.serving.text_models import (
-    cancel_key_of, detokenize_response, ensemble_meta_of, forward_cancel, is_probe,
+    cancel_key_of, check_route, detokenize_response, ensemble_meta_of, forward_cancel, is_probe,
 )
 from freetoken_core.serving.triton_io import respond_each, model_tokenizer, send_each
 
@@ -28,6 +29,7 @@ INPUTS = ("next_tokens", "context_tokens", "finished", "finish_reason", "stop_re
 
 class TritonPythonModel:
     def initialize(self, args):
+        watch_parent("detokenizer stub")
         self.tok = model_tokenizer(args)
         self.cancel_checks = CancelCheckLimiter()  # is_cancelled() is an IPC round trip
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
@@ -44,7 +46,7 @@ class TritonPythonModel:
             forward_cancel(key)
         if probe and self.decoupled:
             return None  # the FINAL flag alone: nothing reaches the client
-        meta = ensemble_meta_of(tensors)
+        meta = check_route(ensemble_meta_of(tensors))
         self._last_meta = (tensors, meta)  # for _sent, right after this response's send
         out = detokenize_response(self.tok, tensors, meta)
         # another instance may still have this stream's previous response
@@ -55,7 +57,10 @@ class TritonPythonModel:
     def _sent(self, tensors):
         seen, meta = self._last_meta
         if seen is not tensors:  # a probe, or _detokenize failed before reading it
-            meta = ensemble_meta_of(tensors)
+            try:
+                meta = check_route(ensemble_meta_of(tensors))
+            except ValueError:
+                return
         if meta is None:
             return
         if meta.order is not None:

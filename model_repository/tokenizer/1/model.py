@@ -3,6 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from freetoken_core.serving.gc_freeze import freeze_text_model
+from freetoken_core.lifetime import watch_parent
 from freetoken_core.serving.text_models import tokenize_request
 from freetoken_core.serving.triton_io import model_tokenizer, respond_each
 
@@ -11,6 +12,7 @@ INPUTS = ("text_input", "messages", "apply_chat_template", "stop_words")
 
 class TritonPythonModel:
     def initialize(self, args):
+        watch_parent("tokenizer stub")
         self.tok = model_tokenizer(args)
         freeze_text_model(args, "tokenizer")
 
