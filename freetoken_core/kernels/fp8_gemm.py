@@ -6,7 +6,8 @@
 - weight-only: the FP8 weight tile converts (exactly) to the activations' dtype and `tl.dot` runs in bf16; each
   K step's product is scaled by the weight block's scale. No quantization launch, no activation rounding.
 
-Which pays depends on the shape (the engine picks per shape after measurement on the GPU). Weight format as
+Which pays depends on the shape (to be picked per shape after measurement on the GPU); `fp8_linear` dispatches any
+row count (the GEMVs of `fp8_gemv.py` up to 16 rows). Weight format as
 `fp8_gemv.py`: float8_e4m3fn [N, K] with contiguous rows, scale_inv [ceil(N/GN), ceil(K/GK)]. The weight tile is
 loaded [BLOCK_K, BLOCK_N] from K-contiguous rows (the K-major B operand Hopper's FP8 wgmma needs). BLOCK_K divides
 GK and BLOCK_N divides GN, so one scale per weight tile and K step. References: `fp8_gemm_ref.py`.
@@ -21,7 +22,8 @@ import triton.language as tl
 from .fp8_gemm_ref import (  # noqa: F401  (the references, beside their kernels)
     ACT_QUANT_EPS, fp8_gemv_reference, per_token_group_quant_fp8_reference, w8a8_gemm_reference,
 )
-from .fp8_gemv import check_fp8_weight, pow2_divisor
+from .fp8_gemv import check_fp8_weight, fp8_gemv, fp8_rows_gemm, pow2_divisor
+from .gemv import ROWS_GEMM_MAX_ROWS
 from .fp8_ref import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX
 from ..env import triton_interpreted
 
@@ -29,6 +31,9 @@ _E4M3_MAX = tl.constexpr(FP8_MAX)
 # GEMM tiles (to be set by measurement on the GPU; vLLM's block-FP8 default is 64 x 128 x 128, 8 in a group)
 FP8_GEMM_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4,
                        num_stages=3)
+# Rows from which `fp8_linear` quantizes the activations (w8a8) instead of converting the weight tiles (weight-only):
+# a guess until measured per shape on the GPU (benchmarks/bench_fp8.py); vLLM and SGLang run every block-FP8 GEMM w8a8
+W8A8_MIN_ROWS = 256
 _INTERPRETER_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4,
                            num_stages=1)
 
@@ -179,3 +184,17 @@ def fp8_gemm_weight_only(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
     """x [M, K] -> [M, N] in x's dtype: the FP8 weight tiles converted to x's dtype in registers, a GEMM in that
     dtype, the weight scales applied per K step (`fp8_gemv_reference`). One launch."""
     return _launch_gemm(x, None, weight, scale_inv, bias, x.dtype, block, config)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
+               block: tuple[int, int] = DEFAULT_BLOCK) -> torch.Tensor:
+    """x [M, K] @ the block-FP8 weight [N, K] (+ bias) -> [M, N] in x's dtype, by the row count: one row `fp8_gemv`,
+    up to 16 `fp8_rows_gemm` (decode and verify steps, in the PDL chain), then the weight-only GEMM, and the w8a8 GEMM
+    from W8A8_MIN_ROWS rows."""
+    m = x.shape[0]
+    if m == 1:
+        return fp8_gemv(x, weight, scale_inv, bias, block)
+    if 2 <= m <= ROWS_GEMM_MAX_ROWS:
+        return fp8_rows_gemm(x, weight, scale_inv, bias, block)
+    gemm = fp8_gemm_w8a8 if m >= W8A8_MIN_ROWS else fp8_gemm_weight_only
+    return gemm(x, weight, scale_inv, bias, block)

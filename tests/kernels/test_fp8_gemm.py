@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freetoken_core.kernels import fp8_gemm
 from freetoken_core.kernels.fp8_gemm import (
-    fp8_gemm_w8a8, fp8_gemm_weight_only, fp8_gemv_reference, per_token_group_quant_fp8,
+    fp8_gemm_w8a8, fp8_gemm_weight_only, fp8_gemv_reference, fp8_linear, per_token_group_quant_fp8,
     per_token_group_quant_fp8_reference, w8a8_gemm_reference,
 )
 from freetoken_core.kernels.fp8_gemm_ref import dequantize_tokens_fp8
@@ -74,6 +75,16 @@ def test_fp8_gemm_blocks_other_than_128_and_no_rows():
     torch.testing.assert_close(fp8_gemm_w8a8(x, q, s, block=block), w8a8_gemm_reference(x, q, s, block=block),
                                **TOL[torch.float32])
     assert fp8_gemm_w8a8(x[:0], q, s, block=block).shape == (0, 80)
+
+
+@pytest.mark.parametrize("m", [1, 7, 17, 40])
+def test_fp8_linear_picks_a_kernel_by_rows(m, monkeypatch):
+    monkeypatch.setattr(fp8_gemm, "W8A8_MIN_ROWS", 32)  # a small threshold keeps the interpreter quick
+    q, s = fp8_weight(48, 160)
+    x = _randn(m, 160, seed=m)
+    b = _randn(48, seed=3)
+    ref = w8a8_gemm_reference if m >= 32 else fp8_gemv_reference
+    torch.testing.assert_close(fp8_linear(x, q, s, b), ref(x, q, s, b), **TOL[torch.float32])
 
 
 @needs_cuda
