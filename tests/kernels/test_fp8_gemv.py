@@ -10,7 +10,9 @@ import torch
 from freetoken_core.kernels.fp8_gemv import (
     fp8_gemv, fp8_gemv_reference, fp8_norm_gemv, fp8_norm_gemv_reference, fp8_rows_gemm,
 )
+from freetoken_core.kernels.fp8_gdn_out_gemv import fp8_gdn_out_norm_gemv
 from freetoken_core.kernels.fp8_ref import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
+from freetoken_core.kernels.gdn_ref import gdn_out_norm_gemv_ref
 from freetoken_core.kernels.gemv_ref import gemv_reference
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,6 +104,20 @@ def test_fp8_norm_gemv_zero_centered_with_bias():
     got, _ = fp8_norm_gemv(x, None, g, 1e-6, q, s, b, zero_centered=True, block_n=16, block_k=256)
     want, _ = fp8_norm_gemv_reference(x, None, g, 1e-6, q, s, b, zero_centered=True)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads", [2, 8])  # 64 columns a step (two a scale block), 256 (a partial last step)
+def test_fp8_gdn_out_norm_gemv_matches_reference(dtype, heads):
+    num_heads, dv, n = 5, 32, 40  # K = 160: a partial scale block
+    o = _randn(1, num_heads * dv, dtype=dtype, seed=1)
+    z = _randn(1, num_heads, 2 * dv, dtype=dtype, seed=2)[..., :dv]  # strided: a view of in_proj's row
+    nw = (1 + 0.3 * _randn(dv, seed=4)).to(dtype)
+    q, s = fp8_weight(n, num_heads * dv)
+    b = _randn(n, dtype=dtype, seed=3)
+    got = fp8_gdn_out_norm_gemv(o, z, nw, 1e-6, q, s, b, block_n=16, heads=heads)
+    want = gdn_out_norm_gemv_ref(o, z, nw, 1e-6, dequantize_block_fp8(q, s), b)
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 def test_bad_scales_are_refused():
