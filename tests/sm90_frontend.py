@@ -26,7 +26,8 @@ from triton.compiler.compiler import ASTSource, make_backend  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # the H200
 POINTER = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
-           "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1"}
+           "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "i1",
+           "float8_e4m3fn": "fp8e4nv"}
 
 
 def _value(desc: list):
