@@ -84,12 +84,12 @@ class ChildOptions:
 def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list[FaultSpec],
                 listen: tuple[str, bytes] | None = None, options: ChildOptions = ChildOptions()) -> None:
     configure_logging("[engine]")
-    watch_parent("engine process")  # its stub is gone: nobody is left to send a `stop`
     ring = None
     try:
         if options.engine_cpus:  # before the model loads: every thread started from here on stays there too
             pin_this_process(options.engine_cpus)
             log.info("engine process on CPU(s) %s", format_cpu_list(options.engine_cpus))
+        watch_parent("engine process")  # its stub is gone: nobody is left to send a `stop`
         from freetoken_core.scheduler.scheduler import Scheduler
 
         sched = Scheduler(config)

@@ -141,3 +141,25 @@ def test_forged_detokenizer_requests_are_refused_at_once(triton_server):
             assert took < 0.5, f"refused only after {took:.2f} s"
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v2/repository/models/ensemble/unload", {}),
+    ("/v2/systemsharedmemory/region/probe/register", {"key": "/triton_python_backend_shm_region_x", "offset": 0,
+                                                        "byte_size": 64}),
+    ("/v2/logging", {"log_verbose_level": 1}),
+    ("/v2/trace/setting", {"trace_level": ["TIMESTAMPS"]}),
+])
+def test_admin_apis_need_the_admin_header(triton_server, path, body):
+    """Model control, shared-memory registration, logging and trace settings are closed to clients; the admin
+    header opens the harmless ones (read the logging settings back)."""
+    status, text = _post(f"http://{triton_server.http_url}{path}", body)
+    assert status == 403 and "freetoken-admin" in text, (status, text)
+
+
+def test_the_admin_header_opens_them(triton_server):
+    import urllib.request
+
+    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/logging", headers=triton_server.admin_headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200 and "log_verbose_level" in json.loads(r.read())

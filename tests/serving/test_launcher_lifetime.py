@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -131,6 +132,7 @@ def test_sigkilled_launcher_takes_the_whole_server_down(smollm2_path: str, tmp_p
         assert "tritonserver" in names and sum("stub" in n for n in names) == 3, names
         server.engine_process()  # the engine process is part of the tree
         assert _run_files(server.proc.pid), "the server's run directory and shared-memory regions carry its tag"
+        assert re.search(r"freetoken-admin=[0-9a-f]{8}", server.log()) is None, "the admin key is in the log"
         clients, ended = _open_streams(f"127.0.0.1:{server.grpc}", 8, 2000)
 
         t0 = time.monotonic()
