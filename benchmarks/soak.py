@@ -105,7 +105,7 @@ class SoakReport:
     cancelled: int
     completed: int
     errors: int  # among the good (not bad, not cancelled) requests
-    bad_finals: int  # completed requests with != 1 FINAL
+    bad_finals: int  # completed requests (and bad gRPC ones) with != 1 FINAL
     mismatches: int  # completed requests whose text differs from their template's solo run
     bad_requests: int
     bad_unclear: int  # bad requests accepted, or refused by an error that does not name the field

@@ -88,7 +88,7 @@ def readme_block(heading: str) -> list[str]:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this host")
 def test_readme_first_requests_run_as_shown(triton_server):
     commands = readme_block("## First requests")
-    assert len(commands) == 4, commands
+    assert len(commands) == 5, commands
     ports = {"localhost:8000": triton_server.http_url, "localhost:8001": triton_server.grpc_url}
     for command in commands:
         live = re.sub(r"localhost:800[01]", lambda m: ports[m.group(0)], command)
