@@ -1,5 +1,5 @@
 # Everything the project needs, installed by its own files.
-#   make test     create .venv, install the package with test + serve extras, fetch the default model, run the tests
+#   make test     create .venv, install the package with test + serve extras (+ perf where it resolves), fetch the default model, run the tests
 #   make serve    create .venv, install, fetch SmolLM2, start tritonserver on the model repository
 PYTHON ?= python3
 VENV   ?= .venv
@@ -15,6 +15,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -U pip
 	$(PIP) install -q "$(TORCH_SPEC)" "numpy<2"
 	$(PIP) install -q -e ".[test,serve]"
+	@# the perf extra resolves only where perf-analyzer's wheel runs (glibc >= 2.38, see pyproject.toml)
+	@$(PIP) install -q -e ".[perf]" > $(VENV)/perf-extra.log 2>&1 || echo "note: perf_analyzer and genai-perf not \
+	installed ($$(grep ERROR $(VENV)/perf-extra.log | tail -1)): perf-analyzer's wheel needs glibc >= 2.38, \
+	this host has $$(getconf GNU_LIBC_VERSION); client_examples/perf_analyzer.sh says what to use instead"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,6 +1,8 @@
 """Streaming chat over gRPC through the ensemble (tritonclient).
 
-    python client_examples/grpc_stream_chat.py --url localhost:8001 "Write a haiku about the sea."
+    .venv/bin/python client_examples/grpc_stream_chat.py --url localhost:8001 "Write a haiku about the sea."
+
+(tritonclient lives in the venv: run it with the venv's interpreter, or activate the venv first.)
 """
 
 import argparse

@@ -10,7 +10,12 @@ response"). Stream with /generate_stream instead (client_examples/http_generate_
 A non-streaming request may ask at most `max_nonstream_tokens` tokens (server parameter, default
 4096): Triton does not tell the server when a /generate client goes away, so the server bounds it.
 
-    python client_examples/http_infer.py --url localhost:8000 "The capital of France is"
+    .venv/bin/python client_examples/http_infer.py --url localhost:8000 "The capital of France is"
+    .venv/bin/python client_examples/http_infer.py --url localhost:8000 --chat "Name three colours."
+
+(Only the standard library: any python3 runs it.) With --chat the prompt goes as a chat message: over HTTP each
+input is the JSON value of its tensor, and `messages` is a string tensor, so the body carries the message list as
+a JSON *string* (json.dumps); a bare array gets a 500 from Triton's JSON parser before any model sees it.
 """
 
 import argparse
@@ -25,8 +30,13 @@ def main() -> int:
     p.add_argument("prompt", nargs="?", default="The capital of France is")
     p.add_argument("--url", default="localhost:8000")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template applied)")
     args = p.parse_args()
-    body = {"text_input": args.prompt, "max_tokens": args.max_tokens, "return_finish_reason": True}
+    body = {"max_tokens": args.max_tokens, "return_finish_reason": True}
+    if args.chat:
+        body["messages"] = json.dumps([{"role": "user", "content": args.prompt}])
+    else:
+        body["text_input"] = args.prompt
     req = urllib.request.Request(f"http://{args.url}/v2/models/ensemble/generate", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     try:

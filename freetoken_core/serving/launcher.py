@@ -36,7 +36,7 @@ from freetoken_core.lifetime import die_with_parent
 from freetoken_core.serving.params import all_param_names, env_overrides
 from freetoken_core.serving.report import configure_logging
 from freetoken_core.serving.supervisor import RESTARTS_SPENT_EXIT, EngineSupervisor, RestartPolicy
-from freetoken_core.serving.tritonserver import find_tritonserver, server_env
+from freetoken_core.serving.tritonserver import cpu_host_server_args, find_tritonserver, server_env
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +358,7 @@ def spawn_tritonserver(
         "--load-model=*",
         # the Python backend's IPC regions carry the run's prefix, so the guard finds them
         f"--backend-config=python,shm-region-prefix-name={run.shm_prefix}",
+        *cpu_host_server_args(),
         f"--http-restricted-api={restricted}:{ADMIN_HEADER}={admin_key}",
         f"--grpc-restricted-protocol={restricted}:{ADMIN_HEADER}={admin_key}",
         *(extra_args or []),
@@ -389,16 +390,34 @@ def chain_preexec(*steps: Callable[[], None]) -> Callable[[], None]:
 
 
 def sample_commands(handle: ServerHandle) -> str:
-    return "\n".join([
-        f"HTTP     localhost:{handle.http_port}   gRPC localhost:{handle.grpc_port}   metrics {handle.metrics_url}",
+    """Client commands to try, each runnable as printed from the directory `serve` was started in, with no
+    virtual environment active: the Python client runs with this interpreter (which has tritonclient),
+    named by a path relative to that directory where it lies below it."""
+    import json
+    import shlex
+
+    def shell_path(path: str) -> str:
+        rel = os.path.relpath(path)
+        return shlex.quote(path if rel.startswith("..") else rel)
+
+    http = handle.http_url
+    # over HTTP every input is a JSON value of its tensor: `messages` (a BYTES tensor) is a string holding the chat
+    chat = {"messages": json.dumps([{"role": "user", "content": "Name three colours."}]), "max_tokens": 32}
+    lines = [
+        f"HTTP     {http}   gRPC {handle.grpc_url}   metrics {handle.metrics_url}",
         "Try:",
-        f"  curl -s -X POST localhost:{handle.http_port}/v2/models/ensemble/generate "
+        f"  curl -s -X POST {http}/v2/models/ensemble/generate "
         "-d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 32}'",
-        f"  curl -sN -X POST localhost:{handle.http_port}/v2/models/ensemble/generate_stream "
+        f"  curl -sN -X POST {http}/v2/models/ensemble/generate_stream "
         "-d '{\"text_input\": \"Write a haiku about the sea.\", \"max_tokens\": 64, \"stream\": true, "
         "\"apply_chat_template\": true}'",
-        f"  python client_examples/grpc_stream_chat.py --url localhost:{handle.grpc_port}",
-    ])
+        f"  curl -s -X POST {http}/v2/models/ensemble/generate -d {shlex.quote(json.dumps(chat))}",
+    ]
+    example = Path(__file__).resolve().parents[2] / "client_examples" / "grpc_stream_chat.py"
+    if example.is_file():  # a source checkout (the Docker image carries no client_examples/)
+        lines.append(f"  {shell_path(sys.executable)} {shell_path(str(example))} --url {handle.grpc_url} "
+                     "'Write a haiku about the sea.'")
+    return "\n".join(lines)
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

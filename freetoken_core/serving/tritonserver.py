@@ -9,6 +9,7 @@ be read-only (system installs, shared venvs).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import sys
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from freetoken_core.models.gguf import _file_lock, freetoken_home
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -112,3 +115,31 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     if "OMP_WAIT_POLICY" not in env:
         env.setdefault("GOMP_SPINCOUNT", "3000")
     return env
+
+
+# tritonserver's GPU build probes CUDA at start-up and, on a host without a CUDA driver, logs two of those probes'
+# failures at error level; no flag skips them (the CUDA block manager's and the ensemble scheduler's stream).
+CPU_HOST_NOTE = ("no CUDA driver on this host: the start-up errors of tritonserver below, 'CudaDriverHelper has not "
+                 "been initialized' and 'unable to create stream for ensemble: CUDA driver version is insufficient', "
+                 "are its GPU build's CUDA probes and harmless here; every model runs on the CPU")
+
+
+def cuda_driver_present() -> bool:
+    """Whether the CUDA driver library loads, which tritonserver's CUDA probes need. Loading it initializes no
+    CUDA context, so the launcher's later forks stay safe."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def cpu_host_server_args() -> list[str]:
+    """Extra tritonserver arguments for a host without a CUDA driver (none on a CUDA host), logging CPU_HOST_NOTE:
+    no pinned-memory pool, which needs CUDA (without the flag the server warns it could not allocate one)."""
+    if cuda_driver_present():
+        return []
+    log.info(CPU_HOST_NOTE)
+    return ["--pinned-memory-pool-byte-size=0"]
