@@ -24,6 +24,7 @@ from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_proces
 from freetoken_core.serving.engine_share import MAX_INSTANCES
 from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
 from freetoken_core.serving.gc_freeze import freeze_startup_heap
+from freetoken_core.serving.heap_trim import HeapTrimmer
 from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
 from freetoken_core.serving.report import REPORT_INTERVAL_S, configure_logging, percentile
 from freetoken_core.serving.spin import spin_until
@@ -140,6 +141,7 @@ class EngineServer:
         self.listener = listener
         self.ready_info = ready_info or {}
         self.last_stats = 0.0
+        self.heap = HeapTrimmer()
         self.stopping = False
         self.pace = StepPace()
 
@@ -217,6 +219,7 @@ class EngineServer:
                 if now - self.last_stats >= STATS_INTERVAL_S or not sched.has_work():
                     self._broadcast(("stats", sched.stats()))
                     self.last_stats = now
+                self.heap.maybe_trim(now, idle=not sched.has_work())
             for index in [i for i in self.outs if i != 0]:  # the owner stopped it: tell the members
                 self._send(index, ("stopped", STOPPED))
             if self.listener is not None:
