@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .quant import checkpoint_stream, weight_format
 from .registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -52,20 +53,6 @@ def load_config(model_path: str | Path):
     from transformers import AutoConfig  # late: `import freetoken_core.models` stays cheap
 
     return AutoConfig.from_pretrained(str(check_model_path(model_path)), local_files_only=True)
-
-
-def check_not_quantized(config, path: Path) -> None:
-    """Quantized checkpoints (FP8, GPTQ, AWQ, bitsandbytes, ...: many published Qwen3-MoE downloads)
-    are refused by name here, before any tensor is read, instead of failing on a missing weight."""
-    qc = getattr(config, "quantization_config", None)
-    if not qc:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = getattr(method, "value", method) or "an unnamed method"
-    raise ValueError(
-        f"{path}: the checkpoint is quantized ({method}, config.json quantization_config); freetoken_core loads "
-        f"bfloat16 / float16 / float32 checkpoints only: use the unquantized release of this model"
-    )
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -121,14 +108,16 @@ def pack_cpu_weights(model: torch.nn.Module) -> None:
 
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto",
-               expert_device: torch.device | str | None = None) -> torch.nn.Module:
+               expert_device: torch.device | str | None = None, quantization: str | None = None) -> torch.nn.Module:
     """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights.
-    expert_device: MoE models keep their routed experts there (the host, for offloaded strategies)."""
+    expert_device: MoE models keep their routed experts there (the host, for offloaded strategies).
+    quantization: None (the checkpoint's own quantization_config) or "fp8" (block-quantize an unquantized one);
+    block-FP8 weights reach the layers in the format they hold (layers/fp8.py `load_into_param`)."""
     path = check_model_path(model_path)
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
     config = load_config(path)
-    check_not_quantized(config, path)
+    fmt = weight_format(config, path, quantization)  # refuses every other quantization by name, before any read
     cls = get_model_class(config)
     t0 = time.perf_counter()
     with torch.device(device):
@@ -136,11 +125,13 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     if load_format == "dummy":
         init_dummy_weights_(model)
     elif load_format == "auto":
-        model.load_weights(iter_safetensors(safetensors_files(path), progress))
+        model.load_weights(checkpoint_stream(iter_safetensors(safetensors_files(path), progress), config, fmt))
     else:
         raise ValueError(f"unknown load_format {load_format!r}; use auto or dummy")
     model.eval()
     if device.type == "cpu":
         pack_cpu_weights(model)
-    logger.info("loaded %s (%s, %s) from %s in %.1f s", cls.__name__, dtype, device, path, time.perf_counter() - t0)
+    logger.info("loaded %s (%s, %s%s) from %s in %.1f s", cls.__name__, dtype, device,
+                "" if fmt is None else f", block-FP8 {list(fmt.block)} weights dequantized at load", path,
+                time.perf_counter() - t0)
     return model

@@ -165,23 +165,16 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
 
 class _VisionLanguageText:
-    """The text part of a vision-language checkpoint: `model.language_model.*` -> `model.*`; the
-    vision tower and the MTP draft weights are skipped by name, and counted in the log."""
+    """The text part of a vision-language checkpoint: `model.language_model.*` -> `model.*`; the vision tower is
+    skipped by name (and counted in the log) like the MTP draft weights."""
 
     weight_rules = (WeightRule(r"^model\.language_model\.", "model."),)
-
-    def skip_weight(self, name: str) -> bool:
-        if name.startswith(("model.visual.", "visual.", "mtp.")):
-            self._skipped = getattr(self, "_skipped", 0) + 1
-            return True
-        return super().skip_weight(name)  # type: ignore[misc]
+    unused_prefixes = ("model.visual.", "visual.", "mtp.")
 
     def load_weights(self, weights) -> None:
         # rename first, then the architecture's own rules see the text model's usual names
         renamed = ((n.replace("model.language_model.", "model.", 1), t) for n, t in weights)
         super().load_weights(renamed)  # type: ignore[misc]
-        if getattr(self, "_skipped", 0):
-            log.info("skipped %d vision-tower / MTP tensors (text-only model)", self._skipped)
 
 
 class Qwen3_5MoeForConditionalGeneration(_VisionLanguageText, Qwen3_5MoeForCausalLM):

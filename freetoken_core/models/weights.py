@@ -21,6 +21,9 @@ from typing import Any, Hashable, Iterable
 import torch
 from torch import nn
 
+from ..kernels.fp8_ref import FP8_DTYPE
+from ..layers.fp8 import load_into_param
+
 Unit = Hashable  # None (the whole parameter), a shard id, or (expert, shard)
 
 
@@ -88,6 +91,10 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
         param = params[pname]
+        if getattr(tensor, "dtype", None) == FP8_DTYPE and param.dtype != FP8_DTYPE:
+            raise ValueError(f"checkpoint tensor {name!r} is float8 but config.json has no fp8 quantization_config "
+                             f"(its block scales would be ignored)")
+        tensor = load_into_param(param, tensor)  # block FP8: dequantized unless the parameter holds FP8
         module = _module_of(model, pname)
         loader = getattr(module, "weight_loader", None)
         if loader is None:
