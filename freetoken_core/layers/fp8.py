@@ -2,50 +2,27 @@
 
 A quantized projection is a weight format of the same layers, not another layer class: a checkpoint's
 `X.weight` (float8_e4m3fn) and `X.weight_scale_inv` travel together as one `Fp8BlockWeight` from the checkpoint
-reader (models/quant.py) to the parameter they fill. There, `load_into_param` is the one switch point of the
-format: a parameter held in FP8 (a layer built for the FP8 kernels) takes the FP8 values and their scales; any
-other parameter (the CPU, the reference path, and CUDA until the kernels/fp8_*.py kernels are wired into the
-layers) takes the weight dequantized to its own dtype, on its own device.
+reader (models/quant.py) through the layers' weight loaders, which slice it like a tensor (a fused projection's
+segment, a tensor-parallel shard: `narrow` takes the scale blocks along and refuses a cut inside a block), to the
+copy into the parameter. That copy (`dense_weight`, called by `copy_checked`) is the one switch point of the
+format: today every parameter is in the compute dtype and takes the weight dequantized, on every device (the CPU
+and reference path; CUDA until the kernels/fp8_*.py kernels are wired into Linear and StackedExperts, whose FP8
+parameters would then take the e4m3 values and their scales as they are).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.fp8_ref import DEFAULT_BLOCK, FP8_DTYPE, block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 
-# Device types whose layers hold block-FP8 weights as FP8 (weight + scale_inv parameters) and run the FP8 kernels.
-# Empty until kernels/fp8_*.py are wired into Linear and StackedExperts (then {"cuda"}): until then every device
-# dequantizes at load, and the memory accounting (`weight_bytes`) counts the dequantized weights.
-FP8_RESIDENT_DEVICES: frozenset[str] = frozenset()
-
-
-def keeps_fp8(device: torch.device | str) -> bool:
-    return torch.device(device).type in FP8_RESIDENT_DEVICES
-
-
 @dataclass(frozen=True)
 class Fp8BlockFormat:
     """How a model's FP8 weights are laid out: `block` (rows, cols) elements share one scale_inv."""
 
     block: tuple[int, int] = DEFAULT_BLOCK
-
-    def stored_bytes(self, shape: tuple[int, ...], scale_dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of one weight of `shape` held in FP8: one byte an element plus its block scales."""
-        scale_size = torch.empty((), dtype=scale_dtype).element_size()
-        return math.prod(shape) + math.prod(block_scale_shape(tuple(shape), self.block)) * scale_size
-
-
-def weight_bytes(shape: tuple[int, ...], dtype: torch.dtype, fmt: Fp8BlockFormat | None,
-                 device: torch.device | str) -> int:
-    """Real bytes of one quantizable weight of `shape` once loaded on `device`: FP8 + scales where the layers keep
-    FP8 there, else `dtype` elements (dequantized at load, or a plain checkpoint)."""
-    if fmt is not None and keeps_fp8(device):
-        return fmt.stored_bytes(shape)
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
@@ -74,6 +51,9 @@ class Fp8BlockWeight:
     def shape(self) -> torch.Size:
         return self.weight.shape
 
+    def dim(self) -> int:
+        return self.weight.dim()
+
     def dequantize(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """The real weight in `dtype`, computed on `device` (the parameter's: a GPU dequantizes far faster)."""
         return dequantize_block_fp8(self.weight.to(device), self.scale_inv.to(device), self.block, dtype)
@@ -97,9 +77,18 @@ class Fp8BlockWeight:
                               self.block)
 
 
-def load_into_param(param: torch.Tensor, loaded: torch.Tensor | Fp8BlockWeight) -> torch.Tensor | Fp8BlockWeight:
-    """What a layer's weight_loader receives for `param`: the FP8 weight itself where the parameter is held in FP8,
-    else (the switch point of the format, see the module) the weight dequantized to the parameter's dtype."""
-    if not isinstance(loaded, Fp8BlockWeight) or param.dtype == FP8_DTYPE:
-        return loaded
-    return loaded.dequantize(param.dtype, param.device)
+    @staticmethod
+    def cat(parts: list["Fp8BlockWeight"], dim: int) -> "Fp8BlockWeight":
+        """Block-aligned pieces (from `narrow`) joined along `dim`, their scale blocks with them."""
+        return Fp8BlockWeight(torch.cat([p.weight for p in parts], dim), torch.cat([p.scale_inv for p in parts], dim),
+                              parts[0].block)
+
+
+def dense_weight(loaded: torch.Tensor | Fp8BlockWeight, like: torch.Tensor) -> torch.Tensor:
+    """The switch point of the format (see the module): a checkpoint weight as the parameter `like` holds it. Today
+    every parameter holds the compute dtype, so a block-FP8 weight is dequantized here, on the parameter's device; a
+    layer that holds FP8 takes `loaded.weight` and `loaded.scale_inv` into its FP8 weight and scale parameters
+    instead (scale blocks already sliced along with any tensor-parallel shard by `narrow`)."""
+    if isinstance(loaded, Fp8BlockWeight):
+        return loaded.dequantize(like.dtype, like.device)
+    return loaded
