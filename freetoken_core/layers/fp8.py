@@ -18,6 +18,7 @@ import torch
 
 from ..kernels.fp8_ref import DEFAULT_BLOCK, FP8_DTYPE, block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 
+
 @dataclass(frozen=True)
 class Fp8BlockFormat:
     """How a model's FP8 weights are laid out: `block` (rows, cols) elements share one scale_inv."""
@@ -75,7 +76,6 @@ class Fp8BlockWeight:
         nb = -(-end // b) - start // b
         return Fp8BlockWeight(self.weight.narrow(dim, start, length), self.scale_inv.narrow(dim, start // b, nb),
                               self.block)
-
 
     @staticmethod
     def cat(parts: list["Fp8BlockWeight"], dim: int) -> "Fp8BlockWeight":

@@ -129,7 +129,7 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights.
     expert_device: MoE models keep their routed experts there (the host, for offloaded strategies).
     quantization: None (the checkpoint's own quantization_config) or "fp8" (block-quantize an unquantized one);
-    block-FP8 weights reach the layers in the format they hold (layers/fp8.py `load_into_param`)."""
+    block-FP8 weights reach the parameters in the format they hold (layers/fp8.py `dense_weight`)."""
     path = check_model_path(model_path)
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)

@@ -17,7 +17,6 @@ are logged, so the strict loader still refuses anything else it does not know.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -30,8 +29,6 @@ from .base import DENSE_PACKED, CausalLM
 from .blocks import Attention, DecoderLayer, DenseMLP, check_silu
 from .qwen3_moe import EXPERT_RULES, is_sparse_layer, num_experts_of
 from .weights import WeightRule, packed_rules
-
-log = logging.getLogger(__name__)
 
 # Qwen3.5's separate GDN projections -> segments of the one flat [q | k | v | z | b | a] in_proj;
 # Qwen3-Next's per-key-head grouped in_proj_qkvz / in_proj_ba are de-interleaved by the layer.

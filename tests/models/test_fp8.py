@@ -159,3 +159,26 @@ def test_unpaired_fp8_tensors_are_named(tmp_path):
     _set_quant_config(fp8)
     with pytest.raises(ValueError, match="is float8 but config.json has no fp8 quantization_config"):
         load_model(str(fp8), torch.float32, "cpu", progress=False)
+
+
+@pytest.mark.parametrize("name,quantized", [
+    ("model.layers.0.self_attn.q_proj.weight", True),
+    ("model.layers.0.mlp.experts.7.down_proj.weight", True),
+    ("model.layers.0.mlp.experts.gate_up_proj", True),
+    ("model.layers.0.mlp.shared_expert.up_proj.weight", True),
+    ("model.layers.0.linear_attn.in_proj_qkvz.weight", True),
+    ("model.layers.0.linear_attn.out_proj.weight", True),
+    ("model.layers.0.mlp.gate.weight", False),
+    ("model.layers.0.mlp.shared_expert_gate.weight", False),
+    ("model.layers.0.linear_attn.in_proj_ba.weight", False),
+    ("model.layers.0.linear_attn.in_proj_a.weight", False),
+    ("model.layers.0.linear_attn.conv1d.weight", False),
+    ("model.layers.0.self_attn.q_norm.weight", False),
+    ("model.embed_tokens.weight", False),
+    ("lm_head.weight", False),
+    ("model.layers.0.self_attn.o_proj.bias", False),
+])
+def test_quantization_fp8_quantizes_what_the_releases_do(name, quantized):
+    from freetoken_core.models.quant import is_quantizable
+
+    assert is_quantizable(name, torch.zeros(4, 4, 4 if "conv1d" in name else 1).squeeze(-1)) == quantized

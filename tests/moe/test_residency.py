@@ -59,3 +59,21 @@ def test_too_little_room_offloads():
     # a short max_seq_len caps each request's reserve
     assert residency_plan(EngineConfig("unused", max_running_req=128, max_seq_len=1024), cfg, torch.bfloat16,
                           H100_FREE).resident
+
+
+def test_a_hybrid_counts_its_linear_state_in_the_reserve():
+    """A Qwen3.6-35B-A3B-like shape (gated-delta-net layers, 256 experts): bf16 experts 64 GB, resident on 80 GB."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    cfg = Qwen3_5MoeTextConfig(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, max_position_embeddings=262144)
+    cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+    plan = residency_plan(EngineConfig("unused"), cfg, torch.bfloat16, H100_FREE)
+    assert plan.expert_bytes == 40 * 256 * 3 * 2048 * 512 * 2
+    kv_only = 32 * 4096 * 2 * 10 * 2 * 256 * 2  # 10 attention layers' K/V
+    per_slot = 30 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # conv (bf16) + fp32 recurrent state
+    assert plan.kv_reserve_bytes == kv_only + 33 * per_slot
+    assert plan.resident, plan.describe()
