@@ -108,6 +108,9 @@ class EngineConfig:
     overlap_schedule: bool | None = None  # None: on for CUDA; True forces it (CPU too: tests the logic)
     seed: int = 0
     load_format: str = "auto"  # auto: safetensors; dummy: random weights from config.json (benchmarks)
+    # None: as the checkpoint's config.json quantization_config says (block FP8 or none); "fp8": quantize an
+    # unquantized checkpoint's projections block-wise at load (128 x 128 blocks, like the FP8 releases)
+    quantization: str | None = None
     speculative: str | None = None  # None | "ngram" (prompt-lookup drafter, verified by the target)
     num_speculative_tokens: int = 4  # k: draft tokens per verify step (k + 1 rows per request)
     ngram_max: int = 3
@@ -139,6 +142,8 @@ class EngineConfig:
                 raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
             # a verify step runs k + 1 rows per request: every per-request allowance follows
             self.decode_rows_per_req = max(self.decode_rows_per_req, self.num_speculative_tokens + 1)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use None (from the checkpoint) or 'fp8'")
         if self.max_running_req < 1:
             raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
         if self.page_size < 1:

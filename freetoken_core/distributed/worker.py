@@ -40,7 +40,8 @@ def worker_main(rank: int, world_size: int, init_method: str, config_dict: dict,
     if init is None:  # rank 0 failed to build its shard and stopped the group
         dist.destroy_process_group()
         return
-    model = load_model(config.model_path, init["dtype"], device, progress=False, load_format=config.load_format)
+    model = load_model(config.model_path, init["dtype"], device, progress=False, load_format=config.load_format,
+                       quantization=config.quantization)
     if hasattr(model, "ensure_positions"):
         model.ensure_positions(init["max_seq_len"])
     layout = model.attn_layout()

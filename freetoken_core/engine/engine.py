@@ -77,7 +77,8 @@ class Engine:
 
         self.moe_strategy = self._moe_strategy()
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
-                                expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None)
+                                expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None,
+                                quantization=config.quantization)
         self.moe_executors = self._place_experts()
         self._fuse_shared_experts()
         if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain
@@ -131,23 +132,24 @@ class Engine:
 
     # --- MoE expert placement (freetoken_core/moe) ----------------------------------------------
     def _moe_strategy(self) -> str:
-        """`auto`: resident when every expert fits the device budget, else offload; "none" for dense models."""
+        """`auto`: resident when the experts fit the device beside the dense weights, the CUDA-graph pool, the
+        prefill workspace and a K/V reserve (moe/residency.py), else offload; "none" for dense models."""
         from ..models.loader import load_config
-        from ..moe.placement import expert_bytes, moe_layout
+        from ..moe.placement import moe_layout
+        from .memory_plan import residency_plan
 
         strategy = self.config.moe_strategy
-        layout = moe_layout(load_config(self.config.model_path), self.dtype)
-        if layout is None:
+        hf_config = load_config(self.config.model_path)
+        if moe_layout(hf_config, self.dtype) is None:
             return "none"
         if strategy != "auto":
             return strategy
         if self.device.type != "cuda":
             return "resident"
         free, _ = torch.cuda.mem_get_info(self.device)
-        fits = expert_bytes(layout) <= 0.9 * free * self.config.memory_fraction
-        log.info("moe_strategy auto: %.1f GiB of experts, %.1f GiB free -> %s", expert_bytes(layout) / 2**30,
-                 free / 2**30, "resident" if fits else "offload")
-        return "resident" if fits else "offload"
+        plan = residency_plan(self.config, hf_config, self.dtype, free)
+        log.info(plan.describe())
+        return "resident" if plan.resident else "offload"
 
     def _place_experts(self) -> list:
         from ..moe.placement import graph_safe, place_experts

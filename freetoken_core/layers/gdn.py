@@ -34,6 +34,7 @@ from ..env import kernel_env
 from ..kernels import causal_conv1d_ref, gdn_ref
 from ..kvcache.linear_state import LinearStateStep, VerifyInputs
 from ..kvcache.spec import LinearStateSpec
+from .fp8 import dense_weight
 from .linear import Linear, MergedLinear, copy_checked
 
 
@@ -61,6 +62,7 @@ class GroupedMergedLinear(MergedLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> list[Any]:
         if isinstance(shard, tuple) and shard and shard[0] == "grouped":  # ("grouped", consecutive segments)
             segs = list(shard[1])
+            loaded = dense_weight(loaded, param)  # per-group slices cut scale blocks: de-interleave the real weight
             parts = [self.out_sizes[i] // self.groups for i in segs]
             per_group = loaded.view(self.groups, sum(parts), -1).split(parts, dim=1)  # each [G, part, H]
             off = sum(self.out_sizes[: segs[0]])

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
+from .fp8 import Fp8BlockWeight, dense_weight
 
 
 # One-row CUDA inputs of weights at least this large go to the Triton GEMV (kernels/gemv.py);
@@ -44,11 +45,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def copy_checked(dst: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor into (a slice of) a parameter, converting dtype and device in one copy."""
+def copy_checked(dst: torch.Tensor, loaded: torch.Tensor | Fp8BlockWeight) -> None:
+    """Copy a checkpoint tensor into (a slice of) a parameter, converting dtype and device in one copy (a block-FP8
+    weight in the parameter's format: layers/fp8.py `dense_weight`)."""
     if dst.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} does not fit {tuple(dst.shape)}")
-    dst.copy_(loaded)
+    dst.copy_(dense_weight(loaded, dst))
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:

@@ -22,6 +22,7 @@ from torch import nn
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
 from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref, topk_softmax_shared_ref
+from .fp8 import Fp8BlockWeight
 from .linear import Linear, copy_checked
 from .norm import ZeroCenteredRMSNorm
 from .norm_linear import fuses_norm_gemv_normed, norm_linear_normed
@@ -129,7 +130,8 @@ class StackedExperts(nn.Module):
         if not stacked:  # one expert's gate or up [I, H]
             return loaded.narrow(0, lo, i)
         rows = 1  # the stack [E, 2I, H]: this rank's gate rows, then its up rows
-        return torch.cat([loaded.narrow(rows, lo, i), loaded.narrow(rows, full + lo, i)], dim=rows)
+        cat = Fp8BlockWeight.cat if isinstance(loaded, Fp8BlockWeight) else torch.cat
+        return cat([loaded.narrow(rows, lo, i), loaded.narrow(rows, full + lo, i)], dim=rows)
 
 
 class SparseMoeBlock(nn.Module):

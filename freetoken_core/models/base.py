@@ -8,6 +8,8 @@ Nothing else: no reaching into `layers[0]`.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any, Iterable
 
 import torch
@@ -18,6 +20,8 @@ from ..kvcache.spec import LayerCacheSpec, LinearStateSpec, attention_specs, lin
 from ..layers import ParallelLMHead, RMSNorm
 from .blocks import DecoderModel
 from .weights import WeightRule, load_checkpoint, packed_rules
+
+log = logging.getLogger(__name__)
 
 # The fused projections of every Llama-like block: checkpoint name -> (parameter name, shard).
 DENSE_PACKED = {
@@ -34,6 +38,9 @@ class CausalLM(nn.Module):
     (`make_layer`) and may extend `weight_rules` and `skip_weight`."""
 
     weight_rules: tuple[WeightRule, ...] = packed_rules(DENSE_PACKED)
+    # checkpoint tensors this engine does not use, skipped by name prefix and counted in the log: the multi-token
+    # prediction draft weights Qwen3-Next / Qwen3.5 / Qwen3.6 ship beside the target (FP8 scales included)
+    unused_prefixes: tuple[str, ...] = ("mtp.",)
     norm_cls: type[nn.Module] = RMSNorm  # the final norm's (and the blocks', by default) class
 
     def __init__(self, config: Any, dtype: torch.dtype = torch.float32,
@@ -84,12 +91,20 @@ class CausalLM(nn.Module):
         self.model.rotary_emb.ensure_positions(max_seq_len)
 
     # --- weight loading ---------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (HF names) into the parameters; raise if any parameter is left unset."""
+        self._skipped: Counter[str] = Counter()
         load_checkpoint(self, weights, self.weight_rules, self.skip_weight)
+        if self._skipped:
+            log.info("skipped %d checkpoint tensors this model does not use (%s)", sum(self._skipped.values()),
+                     ", ".join(f"{prefix}*: {n}" for prefix, n in sorted(self._skipped.items())))
 
     def skip_weight(self, name: str) -> bool:
         if "rotary_emb.inv_freq" in name:
+            return True
+        prefix = next((p for p in self.unused_prefixes if name.startswith(p)), None)
+        if prefix is not None:
+            self._skipped[prefix] += 1
             return True
         # Some tied checkpoints still store lm_head.weight (a copy of the embedding).
         return self.tie_word_embeddings and name == "lm_head.weight"

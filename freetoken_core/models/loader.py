@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from .quant import checkpoint_stream, weight_format
 from .registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -54,20 +55,6 @@ def load_config(model_path: str | Path):
     return AutoConfig.from_pretrained(str(check_model_path(model_path)), local_files_only=True)
 
 
-def check_not_quantized(config, path: Path) -> None:
-    """Quantized checkpoints (FP8, GPTQ, AWQ, bitsandbytes, ...: many published Qwen3-MoE downloads)
-    are refused by name here, before any tensor is read, instead of failing on a missing weight."""
-    qc = getattr(config, "quantization_config", None)
-    if not qc:
-        return
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = getattr(method, "value", method) or "an unnamed method"
-    raise ValueError(
-        f"{path}: the checkpoint is quantized ({method}, config.json quantization_config); freetoken_core loads "
-        f"bfloat16 / float16 / float32 checkpoints only: use the unquantized release of this model"
-    )
-
-
 def safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -97,6 +84,24 @@ def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple
                 bar.update(1)
 
 
+# Host tensors larger than this are filled with one random block of this many values, repeated (init_dummy_weights_);
+# a prime, so that consecutive experts start at different offsets of the block
+DUMMY_TILE_ELEMENTS = 4_194_301
+
+
+def fill_normal_(p: torch.Tensor, std: float, generator: torch.Generator) -> None:
+    """N(0, std) values. On the host, past DUMMY_TILE_ELEMENTS, a random block repeated over the tensor: the host
+    banks of an offloaded MoE (58 GB for Qwen3-30B-A3B) took minutes to draw value by value; a copy takes seconds."""
+    n = p.numel()
+    if p.device.type != "cpu" or n <= DUMMY_TILE_ELEMENTS or not p.is_contiguous():
+        p.normal_(0.0, std, generator=generator)
+        return
+    tile = torch.empty(DUMMY_TILE_ELEMENTS, dtype=p.dtype).normal_(0.0, std, generator=generator)
+    flat, whole = p.view(-1), n // DUMMY_TILE_ELEMENTS
+    flat[: whole * DUMMY_TILE_ELEMENTS].view(whole, DUMMY_TILE_ELEMENTS).copy_(tile.expand(whole, -1))
+    flat[whole * DUMMY_TILE_ELEMENTS:].copy_(tile[: n - whole * DUMMY_TILE_ELEMENTS])
+
+
 def init_dummy_weights_(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the right shapes (benchmarks of real model shapes without checkpoints):
     norms 1, biases 0, everything else N(0, 0.02), drawn on the parameters' own device."""
@@ -108,8 +113,7 @@ def init_dummy_weights_(model: torch.nn.Module, seed: int = 0) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                g = gen.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-                p.normal_(0.0, 0.02, generator=g)
+                fill_normal_(p, 0.02, gen.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed)))
 
 
 def pack_cpu_weights(model: torch.nn.Module) -> None:
@@ -121,14 +125,16 @@ def pack_cpu_weights(model: torch.nn.Module) -> None:
 
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto",
-               expert_device: torch.device | str | None = None) -> torch.nn.Module:
+               expert_device: torch.device | str | None = None, quantization: str | None = None) -> torch.nn.Module:
     """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights.
-    expert_device: MoE models keep their routed experts there (the host, for offloaded strategies)."""
+    expert_device: MoE models keep their routed experts there (the host, for offloaded strategies).
+    quantization: None (the checkpoint's own quantization_config) or "fp8" (block-quantize an unquantized one);
+    block-FP8 weights reach the parameters in the format they hold (layers/fp8.py `dense_weight`)."""
     path = check_model_path(model_path)
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
     config = load_config(path)
-    check_not_quantized(config, path)
+    fmt = weight_format(config, path, quantization)  # refuses every other quantization by name, before any read
     cls = get_model_class(config)
     t0 = time.perf_counter()
     with torch.device(device):
@@ -136,11 +142,13 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     if load_format == "dummy":
         init_dummy_weights_(model)
     elif load_format == "auto":
-        model.load_weights(iter_safetensors(safetensors_files(path), progress))
+        model.load_weights(checkpoint_stream(iter_safetensors(safetensors_files(path), progress), config, fmt))
     else:
         raise ValueError(f"unknown load_format {load_format!r}; use auto or dummy")
     model.eval()
     if device.type == "cpu":
         pack_cpu_weights(model)
-    logger.info("loaded %s (%s, %s) from %s in %.1f s", cls.__name__, dtype, device, path, time.perf_counter() - t0)
+    logger.info("loaded %s (%s, %s%s) from %s in %.1f s", cls.__name__, dtype, device,
+                "" if fmt is None else f", block-FP8 {list(fmt.block)} weights dequantized at load", path,
+                time.perf_counter() - t0)
     return model

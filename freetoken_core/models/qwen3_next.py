@@ -17,7 +17,6 @@ are logged, so the strict loader still refuses anything else it does not know.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -30,8 +29,6 @@ from .base import DENSE_PACKED, CausalLM
 from .blocks import Attention, DecoderLayer, DenseMLP, check_silu
 from .qwen3_moe import EXPERT_RULES, is_sparse_layer, num_experts_of
 from .weights import WeightRule, packed_rules
-
-log = logging.getLogger(__name__)
 
 # Qwen3.5's separate GDN projections -> segments of the one flat [q | k | v | z | b | a] in_proj;
 # Qwen3-Next's per-key-head grouped in_proj_qkvz / in_proj_ba are de-interleaved by the layer.
@@ -165,23 +162,16 @@ class Qwen3_5MoeForCausalLM(Qwen3NextForCausalLM):
 
 
 class _VisionLanguageText:
-    """The text part of a vision-language checkpoint: `model.language_model.*` -> `model.*`; the
-    vision tower and the MTP draft weights are skipped by name, and counted in the log."""
+    """The text part of a vision-language checkpoint: `model.language_model.*` -> `model.*`; the vision tower is
+    skipped by name (and counted in the log) like the MTP draft weights."""
 
     weight_rules = (WeightRule(r"^model\.language_model\.", "model."),)
-
-    def skip_weight(self, name: str) -> bool:
-        if name.startswith(("model.visual.", "visual.", "mtp.")):
-            self._skipped = getattr(self, "_skipped", 0) + 1
-            return True
-        return super().skip_weight(name)  # type: ignore[misc]
+    unused_prefixes = ("model.visual.", "visual.", "mtp.")
 
     def load_weights(self, weights) -> None:
         # rename first, then the architecture's own rules see the text model's usual names
         renamed = ((n.replace("model.language_model.", "model.", 1), t) for n, t in weights)
         super().load_weights(renamed)  # type: ignore[misc]
-        if getattr(self, "_skipped", 0):
-            log.info("skipped %d vision-tower / MTP tensors (text-only model)", self._skipped)
 
 
 class Qwen3_5MoeForConditionalGeneration(_VisionLanguageText, Qwen3_5MoeForCausalLM):

@@ -21,6 +21,9 @@ from typing import Any, Hashable, Iterable
 import torch
 from torch import nn
 
+from ..kernels.fp8_ref import FP8_DTYPE
+from ..layers.fp8 import dense_weight
+
 Unit = Hashable  # None (the whole parameter), a shard id, or (expert, shard)
 
 
@@ -88,17 +91,21 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
         param = params[pname]
+        if getattr(tensor, "dtype", None) == FP8_DTYPE and param.dtype != FP8_DTYPE:
+            raise ValueError(f"checkpoint tensor {name!r} is float8 but config.json has no fp8 quantization_config "
+                             f"(its block scales would be ignored)")
         module = _module_of(model, pname)
         loader = getattr(module, "weight_loader", None)
         if loader is None:
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            param.data.copy_(dense_weight(tensor, param))
             units = [None]
-        elif expert is not None:
-            units = loader(param, tensor, shard, expert=expert)
         else:
-            units = loader(param, tensor, shard)
+            try:
+                units = loader(param, tensor, shard, expert=expert) if expert is not None else loader(param, tensor, shard)
+            except ValueError as e:  # the layer says what does not fit; the tensor's name says where
+                raise ValueError(f"{name}: {e}") from e
         loaded.update((pname, u) for u in (units if units is not None else [shard]))
     missing = sorted(_unit_name(p, u) for p, u in expected - loaded)
     if missing:

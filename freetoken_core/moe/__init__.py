@@ -7,7 +7,7 @@
   self-check), else host-driven without graphs (`slot_pool.py`, executor `offload`).
 - `cpu`: experts computed on the host's cores from the host banks (`cpu_executor.py`).
 - `hybrid`: cache hits on the device slots, misses on the host.
-`auto` is resident when the experts fit the device budget, else offload. The budget split, the
+`auto` is resident when the experts fit the device beside everything else (`residency.py`), else offload. The budget split, the
 decode-batch clamp and the rebuild check are in `budget.py`. Executors are registered factories.
 """
 

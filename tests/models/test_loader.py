@@ -70,3 +70,17 @@ def test_parse_dtype():
     assert parse_dtype("auto", "cuda") is torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         parse_dtype("int4")
+
+
+def test_dummy_host_tensors_repeat_one_random_block(monkeypatch):
+    from freetoken_core.models import loader
+
+    monkeypatch.setattr(loader, "DUMMY_TILE_ELEMENTS", 1009)
+    big = torch.empty(8, 1000)  # 8000 values: 7 whole blocks and a partial one
+    loader.fill_normal_(big, 0.02, torch.Generator().manual_seed(0))
+    flat = big.view(-1)
+    assert torch.equal(flat[1009:2018], flat[:1009]) and torch.equal(flat[7063:], flat[: 8000 - 7063])
+    assert len(flat[:1009].unique()) > 1000 and 0.015 < float(flat.std()) < 0.025
+    small = torch.empty(1009)  # at most one block: drawn value by value
+    loader.fill_normal_(small, 0.02, torch.Generator().manual_seed(0))
+    assert torch.equal(small, torch.empty(1009).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0)))
