@@ -234,6 +234,7 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
         seen["extra_args"], seen["overrides"] = extra_args, overrides
         proc = SimpleNamespace(returncode=0)
         return SimpleNamespace(http_port=1, grpc_port=2, metrics_url="localhost:3", grpc_url="localhost:2",
+                               http_url="localhost:1", admin_headers={},
                                process=proc, alive=lambda: False, stop=lambda: None)
 
     monkeypatch.setattr(launcher, "start_server", fake_start_server)
