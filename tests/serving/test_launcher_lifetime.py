@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from serving_helpers import wait_for
+from serving_helpers import metric, scrape_metrics, wait_for
 
 pytestmark = pytest.mark.serving
 
@@ -67,6 +67,13 @@ class Launcher:
         from freetoken_core.serving.supervisor import http_status
 
         return http_status(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=1.0) == 200
+
+    def running(self) -> float:
+        """freetoken_num_requests_running (0 when the unloaded model took the series with it)."""
+        try:
+            return metric(scrape_metrics(f"http://127.0.0.1:{self.metrics}/metrics"), "freetoken_num_requests_running")
+        except KeyError:
+            return 0.0
 
     def wait_ready(self, timeout: float = 300) -> None:
         assert wait_for(lambda: self.ready() or self.proc.poll() is not None, timeout, 0.5), self.log()
@@ -149,6 +156,8 @@ def test_sigkilled_launcher_takes_the_whole_server_down(smollm2_path: str, tmp_p
     finally:
         for c in clients:
             c.close()
+        # while the engine is down, its gauges say so (0, or gone with the unloaded model), not the dead engine's 4
+        assert wait_for(lambda: server.running() == 0, 10), f"{server.running()} running: a gauge kept the dead value"
         server.close()
 
 
@@ -160,10 +169,16 @@ def test_a_dead_engine_is_restarted_until_its_restarts_are_spent(smollm2_path: s
         server.wait_ready()
         server.tree = psutil.Process(server.proc.pid).children(recursive=True)
         engine = server.engine_process()
+        clients, ended = _open_streams(f"127.0.0.1:{server.grpc}", 4, 2000)
         t0 = time.monotonic()
         engine.kill()
         assert wait_for(lambda: not server.ready(), 1.0, 0.02), "still ready 1 s after the engine died"
         print(f"not ready {time.monotonic() - t0:.2f} s after the engine's SIGKILL")
+        assert wait_for(lambda: ended.qsize() == 4, 5), f"only {ended.qsize()} of 4 streams ended"
+        for c in clients:
+            c.close()
+        # while the engine is down, its gauges say so (0, or gone with the unloaded model), not the dead engine's 4
+        assert wait_for(lambda: server.running() == 0, 10), f"{server.running()} running: a gauge kept the dead value"
         # not ready all the way through the restart: no moment says ready without an engine behind it
         while not server.ready():
             assert server.proc.poll() is None, server.log()
@@ -172,6 +187,7 @@ def test_a_dead_engine_is_restarted_until_its_restarts_are_spent(smollm2_path: s
         status, body = _post(f"http://127.0.0.1:{server.http}/v2/models/ensemble/generate",
                              {"text_input": "The capital of France is", "max_tokens": 4})
         assert status == 200 and json.loads(body)["text_output"], body
+        assert wait_for(lambda: server.running() == 0, 10), f"{server.running()} requests running after the restart"
 
         server.tree += psutil.Process(server.proc.pid).children(recursive=True)
         server.engine_process().kill()
