@@ -121,6 +121,17 @@ def row_error(p: SamplingParams, vocab: int, device: torch.device) -> str | None
     return None
 
 
+def unsampleable_rows(params: list[SamplingParams], vocab: int, device: torch.device) -> dict[int, str]:
+    """{row: why} of the rows whose settings cannot be sampled: requests that bypassed SamplingParams.validate.
+    For after a step's sampling build failed: one request's row, not the step, is at fault."""
+    return {i: err for i, p in enumerate(params) if (err := row_error(p, vocab, device)) is not None}
+
+
+def greedy_in_place_of(params: list[SamplingParams], failed: dict[int, str]) -> list[SamplingParams]:
+    """The rows of failed requests sample greedily (their tokens are discarded): the rest keep theirs."""
+    return [_GREEDY if i in failed else p for i, p in enumerate(params)]
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -134,17 +145,16 @@ class Sampler:
         return g
 
     def _plan(self, params: list[SamplingParams], vocab: int) -> tuple[_StepPlan, dict[int, str]]:
-        """The step's plan, and {row: error} of rows whose settings cannot be sampled (a request that bypassed
-        SamplingParams.validate): those rows are sampled greedily and their requests failed by the scheduler,
-        so one bad request never fails its step-mates. The per-row search runs only when the batch build fails."""
+        """The step's plan, and {row: error} of rows whose settings cannot be sampled (unsampleable_rows): those
+        rows are sampled greedily and their requests failed by the scheduler, so one bad request never fails its
+        step-mates. The per-row search runs only when the batch build fails."""
         try:
             return _StepPlan.build(params, vocab, self.device), {}
         except Exception:  # noqa: BLE001  find the rows at fault
-            failed = {i: err for i, p in enumerate(params) if (err := row_error(p, vocab, self.device)) is not None}
+            failed = unsampleable_rows(params, vocab, self.device)
             if not failed:
                 raise
-            safe = [_GREEDY if i in failed else p for i, p in enumerate(params)]
-            return _StepPlan.build(safe, vocab, self.device), failed
+            return _StepPlan.build(greedy_in_place_of(params, failed), vocab, self.device), failed
 
     def sample(
         self,

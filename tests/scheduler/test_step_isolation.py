@@ -77,3 +77,38 @@ def test_sampler_marks_failed_rows_and_samples_the_rest():
     best = logits.argmax(dim=-1)
     assert out.tokens[[0, 2, 3]].tolist() == best[[0, 2, 3]].tolist()
     assert out.top_n == [0, 0, 2, 0]
+
+
+def test_unbuildable_sampling_in_a_verify_step_fails_only_its_request(tmp_path_factory):
+    """Speculative verify samples through its own path (spec/verify.py): the same isolation holds there."""
+    from freetoken_core.config import EngineConfig
+    from freetoken_core.scheduler.scheduler import Scheduler
+    from tests.conftest import make_tiny_model
+
+    # the first prompt holds 200 distinct ids: its first token is found in it, so the first decode step has drafts
+    # and verifies (the second request with it)
+    prompts = [list(range(200)), [40, 41, 42, 40, 41, 42, 40, 41, 42, 40]]
+    # test_speculative's model that copies: the n-gram drafts come, and every decode step verifies
+    path = make_tiny_model(tmp_path_factory.mktemp("isolation-spec"), arch="llama", seed=3)
+
+    def spec_sched() -> Scheduler:
+        return Scheduler(EngineConfig(model_path=str(path), dtype="float32", page_size=4, num_pages=200,
+                                      speculative="ngram", num_speculative_tokens=3))
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    ref_sched = spec_sched()
+    ref_uid = ref_sched.add_request(prompts[0], params.copy())
+    ref = _tokens(drain(ref_sched)[ref_uid])
+    sched = spec_sched()
+    good = sched.add_request(prompts[0], params.copy())
+    bad_params = params.copy(temperature=1.0, seed=1)  # sampled: verified by rejection sampling
+    bad = sched.add_request(prompts[1], bad_params)
+    out: dict[int, list] = {}
+    for m in sched.step():  # the prefill step; the next ones verify drafts
+        out.setdefault(m.uid, []).append(m)
+    bad_params.top_k = 10**23
+    for uid, msgs in drain(sched).items():
+        out.setdefault(uid, []).extend(msgs)
+    assert out[bad][-1].finish_reason == "error" and "top_k" in out[bad][-1].error
+    assert _tokens(out[good]) == ref and out[good][-1].error is None and out[good][-1].spec_proposed > 0
+    assert sched.cache.num_free_pages == sched.cache.num_total_pages
