@@ -3,12 +3,47 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
 # EngineConfig.prefill_graph_max_tokens: the largest prefill step captured by default (CUDA, with decode graphs)
 PREFILL_GRAPH_MAX_TOKENS_DEFAULT = 512
+
+# SamplingParams limits: what the sampler's int64 / float32 tensors hold
+SAMPLING_EPS = 1e-5  # temperatures below it sample greedily (vLLM's _SAMPLING_EPS)
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGPROBS = 20
+
+
+def _is_integer(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _integer(name: str, v: Any) -> int:
+    if not _is_integer(v):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _real(name: str, v: Any) -> float:
+    """A finite number (an integer counts); a bool, a string or NaN/inf does not."""
+    if not isinstance(v, numbers.Real) or isinstance(v, bool):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer past float's range
+        f = math.inf
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    return f
+
+
+def _in_range(name: str, v: int, lo: int, hi: int) -> None:
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
 
 
 @dataclass
@@ -31,40 +66,50 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # a temperature this small divides the logits into inf/NaN in float32: it means greedy (vLLM's rule)
+        return self.temperature < SAMPLING_EPS
 
-    def validate(self, max_new_tokens_limit: int | None = None) -> None:
-        """Raise ValueError naming the limit for anything a user can get wrong."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens <= 0:
+    def validate(self, max_new_tokens_limit: int | None = None, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the field and its limit for anything a user can get wrong: exact types (a
+        bool is a bool, an integer an integer) and every value within what the engine's tensors hold.
+        vocab_size (when known) bounds top_k and stop_token_ids."""
+        if _integer("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if max_new_tokens_limit is not None and self.max_tokens > max_new_tokens_limit:
-            raise ValueError(
-                f"max_tokens={self.max_tokens} exceeds the limit of {max_new_tokens_limit} new tokens"
-            )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        max_tokens_cap = INT64_MAX if max_new_tokens_limit is None else max_new_tokens_limit
+        if self.max_tokens > max_tokens_cap:
+            raise ValueError(f"max_tokens={self.max_tokens} exceeds the limit of {max_tokens_cap} new tokens")
+        _in_range("min_tokens", _integer("min_tokens", self.min_tokens), 0, INT64_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is larger than max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0.0 <= _real("temperature", self.temperature) <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be in [0, {FLOAT32_MAX:.4g}] (0, or below {SAMPLING_EPS}: greedy), "
+                             f"got {self.temperature}")
+        if not 0.0 < _real("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= _real("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        top_k_cap = INT64_MAX if vocab_size is None else vocab_size
+        if not -1 <= _integer("top_k", self.top_k) <= top_k_cap:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or in [1, {top_k_cap}]"
+                             f"{' (the vocabulary size)' if vocab_size is not None else ''}, got {self.top_k}")
+        if self.seed is not None:
+            _in_range("seed", _integer("seed", self.seed), 0, INT64_MAX)
+        if self.logprobs is not None:
+            _in_range("logprobs", _integer("logprobs", self.logprobs), 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        id_cap = INT64_MAX if vocab_size is None else vocab_size - 1
+        for t in self.stop_token_ids:
+            if not _is_integer(t) or not 0 <= t <= id_cap:
+                raise ValueError(f"stop_token_ids must be integers in [0, {id_cap}]"
+                                 f"{' (the vocabulary)' if vocab_size is not None else ''}, got {t!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":

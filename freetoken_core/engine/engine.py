@@ -421,6 +421,7 @@ class InflightStep:
     def __init__(self, sample: DeviceSample, pinned: PinnedPool | None = None) -> None:
         self.sample = sample
         self.tokens = sample.tokens  # device tensor: the next step gathers its inputs from it
+        self.failed = sample.failed  # {row: error} of rows whose sampling settings could not run (sampler.py)
         self._host = sample.to_host_async(pinned)
 
     def result(self) -> SampleOutput:

@@ -7,12 +7,14 @@ so its tokens do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import SamplingParams
 from ..core import to_device
+
+_GREEDY = SamplingParams()  # what a failed row samples with: its token is discarded
 
 
 @dataclass
@@ -40,7 +42,7 @@ def apply_filters(
         probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
         # drop a token when the mass strictly before it already reaches top_p (keeps at least one)
         cum_before = probs.cumsum(dim=-1) - probs
-        remove |= cum_before >= top_p[:, None]
+        remove |= (cum_before >= top_p[:, None]) & (ranks > 0)  # (a top_p that float32 rounds to 0 keeps one)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
     if need_min_p:
@@ -50,20 +52,84 @@ def apply_filters(
     return logits
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution a row samples from: temperature, then top-k / top-p / min-p, then softmax.
-    logits [R, V] fp32, one SamplingParams per row (none greedy)."""
-    dev = logits.device
-    temp = to_device([p.temperature for p in params], torch.float32, dev)
-    scaled = apply_filters(
-        logits / temp[:, None],
-        to_device([p.top_k for p in params], torch.int64, dev),
-        to_device([p.top_p for p in params], torch.float32, dev),
-        to_device([p.min_p for p in params], torch.float32, dev),
+@dataclass
+class SamplingSettings:
+    """The per-row settings of sampled (non-greedy) rows as the step's tensors."""
+
+    temperature: torch.Tensor  # [R] float32
+    top_k: torch.Tensor  # [R] int64
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    need_sort: bool
+    need_min_p: bool
+
+
+def sampling_settings(params: list[SamplingParams], device: torch.device) -> SamplingSettings:
+    return SamplingSettings(
+        to_device([p.temperature for p in params], torch.float32, device),
+        to_device([p.top_k for p in params], torch.int64, device),
+        to_device([p.top_p for p in params], torch.float32, device),
+        to_device([p.min_p for p in params], torch.float32, device),
         need_sort=any(p.top_k > 0 or p.top_p < 1.0 for p in params),
         need_min_p=any(p.min_p > 0 for p in params),
     )
+
+
+def probs_of(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
+    """The distribution rows sample from: temperature, then top-k / top-p / min-p, then softmax."""
+    scaled = apply_filters(logits / s.temperature[:, None], s.top_k, s.top_p, s.min_p, s.need_sort, s.need_min_p)
     return scaled.softmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [R, V] fp32, one SamplingParams per row (none greedy) -> the distribution each row samples from."""
+    return probs_of(logits, sampling_settings(params, logits.device))
+
+
+@dataclass
+class _StepPlan:
+    """What one step's sampling needs from its requests' SamplingParams, built on the host before any device work."""
+
+    greedy_rows: list[int]
+    random_rows: list[int]
+    settings: SamplingSettings | None  # of the random rows
+    top_n: list[int] | None  # per row: top logprobs asked for (None: no row wants logprobs)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "_StepPlan":
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        settings = sampling_settings([params[i] for i in random_rows], device) if random_rows else None
+        top_n = None
+        if any(p.logprobs is not None for p in params):
+            top_n = [p.logprobs or 0 for p in params]
+            if not all(isinstance(n, int) and 0 <= n <= vocab for n in top_n):
+                raise ValueError(f"logprobs must be integers in [0, {vocab}], got {top_n}")
+        return cls(greedy_rows, random_rows, settings, top_n)
+
+
+def row_error(p: SamplingParams, vocab: int, device: torch.device) -> str | None:
+    """Why one request's settings cannot be sampled (SamplingParams.validate's words where it objects), or None."""
+    try:
+        p.copy().validate(vocab_size=vocab)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    try:
+        _StepPlan.build([p], vocab, device)
+    except Exception as e:  # noqa: BLE001  anything a single row's values raise
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def unsampleable_rows(params: list[SamplingParams], vocab: int, device: torch.device) -> dict[int, str]:
+    """{row: why} of the rows whose settings cannot be sampled: requests that bypassed SamplingParams.validate.
+    For after a step's sampling build failed: one request's row, not the step, is at fault."""
+    return {i: err for i, p in enumerate(params) if (err := row_error(p, vocab, device)) is not None}
+
+
+def greedy_in_place_of(params: list[SamplingParams], failed: dict[int, str]) -> list[SamplingParams]:
+    """The rows of failed requests sample greedily (their tokens are discarded): the rest keep theirs."""
+    return [_GREEDY if i in failed else p for i, p in enumerate(params)]
 
 
 class Sampler:
@@ -78,6 +144,18 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
+    def _plan(self, params: list[SamplingParams], vocab: int) -> tuple[_StepPlan, dict[int, str]]:
+        """The step's plan, and {row: error} of rows whose settings cannot be sampled (unsampleable_rows): those
+        rows are sampled greedily and their requests failed by the scheduler, so one bad request never fails its
+        step-mates. The per-row search runs only when the batch build fails."""
+        try:
+            return _StepPlan.build(params, vocab, self.device), {}
+        except Exception:  # noqa: BLE001  find the rows at fault
+            failed = unsampleable_rows(params, vocab, self.device)
+            if not failed:
+                raise
+            return _StepPlan.build(greedy_in_place_of(params, failed), vocab, self.device), failed
+
     def sample(
         self,
         logits: torch.Tensor,
@@ -85,9 +163,9 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> DeviceSample:
         """logits [R, V] float32, one row per sampled request row. Nothing here waits for the device."""
-        num_rows = logits.shape[0]
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        num_rows, vocab = logits.shape
+        plan, failed = self._plan(params, vocab)
+        greedy_rows, random_rows = plan.greedy_rows, plan.random_rows
         tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         if greedy_rows:
             if len(greedy_rows) == num_rows:
@@ -97,18 +175,17 @@ class Sampler:
                 tokens[idx] = logits[idx].argmax(dim=-1)
         if random_rows:
             idx = to_device(random_rows, torch.int64, logits.device)
-            probs = sampling_probs(logits[idx], [params[i] for i in random_rows])
+            probs = probs_of(logits[idx], plan.settings)
             noise = torch.empty_like(probs)
             for j, i in enumerate(random_rows):
                 noise[j].exponential_(generator=generators[i] or self.generator)
             # exponential_ can return exactly 0: 0/0 would make a zero-probability token win
             tokens[idx] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-        out = DeviceSample(tokens=tokens)
-        want_lp = [p.logprobs is not None for p in params]
-        if any(want_lp):
+        out = DeviceSample(tokens=tokens, failed=failed)
+        if plan.top_n is not None:
             logprobs = logits.log_softmax(dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-            out.top_n = [p.logprobs or 0 for p in params]
+            out.top_n = plan.top_n
             max_n = max(out.top_n)
             if max_n > 0:
                 out.top_values, out.top_ids = logprobs.topk(max_n, dim=-1)
@@ -127,6 +204,8 @@ class DeviceSample:
     top_values: torch.Tensor | None = None  # [R, n]
     top_ids: torch.Tensor | None = None
     top_n: list[int] | None = None  # per row: how many top logprobs it asked for
+    # {row: error} of rows whose settings could not be sampled (Sampler._plan): known on the host at once
+    failed: dict[int, str] = field(default_factory=dict)
 
     def to_host_async(self, pinned: "PinnedPool | None" = None) -> "HostCopy":
         return HostCopy(self, pinned)

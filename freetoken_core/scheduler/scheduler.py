@@ -108,7 +108,7 @@ class Scheduler:
                 f"the prompt has {len(input_ids)} tokens; the limit is {limit - 1} "
                 f"(max_seq_len {limit} including at least one generated token)"
             )
-        params.validate(max_new_tokens_limit=limit - len(input_ids))
+        params.validate(max_new_tokens_limit=limit - len(input_ids), vocab_size=vocab)
         if uid is None:
             uid = next(self._uids)
         if uid in self._by_uid:
@@ -187,11 +187,15 @@ class Scheduler:
             if req in self.waiting:  # retracted inside the failed step
                 self.waiting.remove(req)
             req.inflight = 0
-            self._finish(req, "error")
-            msg = self._message(req, [], None)
-            msg.error = error
-            msgs.append(msg)
+            msgs.append(self._fail(req, error))
         return msgs
+
+    def _fail(self, req: Req, error: str) -> DetokenizeMsg:
+        """Finish one request with an error (its pages and slots freed); its final message."""
+        self._finish(req, "error")
+        msg = self._message(req, [], None)
+        msg.error = error
+        return msg
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[DetokenizeMsg]:
@@ -331,6 +335,9 @@ class Scheduler:
         for i in batch.sample_reqs:
             batch.reqs[i].inflight += 1
         self._pending = _Pending(batch, step, {batch.reqs[i].uid: row for row, i in enumerate(batch.sample_reqs)})
+        for row, error in step.failed.items():  # its token is discarded when the step resolves
+            msgs.append(self._fail(batch.reqs[batch.sample_reqs[row]],
+                                   f"this request's sampling settings cannot run: {error}"))
         if prev is not None:
             self._resolve(prev, msgs)
         if not self.overlap:

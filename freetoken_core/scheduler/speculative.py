@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core import Req, to_device
+from ..engine.sampler import greedy_in_place_of, unsampleable_rows
 from ..messages import DetokenizeMsg
 from ..spec.ngram import NgramProposer
 from ..spec.pipeline import DevicePipeline, PipelineStep
@@ -179,10 +180,13 @@ class SpecDecoder:
         sched._step_reqs.extend(batch_reqs)  # fault isolation: these are in flight now
         logits = engine.forward_verify(batch).view(len(batch_reqs), rows, -1)
         self._ban_early_stops(logits, batch_reqs)
-        committed = self._accept(logits, batch_reqs, num_drafts)
+        committed = self._accept(logits, batch_reqs, num_drafts, msgs)
         lp = self._logprobs(logits, batch_reqs, committed)
         kept: list[int] = []  # rows whose tokens stay cached: linear (GDN) states advance by as many
         for i, (req, tokens) in enumerate(zip(batch_reqs, committed)):
+            if req.finished:  # failed in _accept: its sampling settings could not run
+                kept.append(0)
+                continue
             req.spec_proposed += num_drafts[i]
             req.spec_accepted += len(tokens) - 1
             if req.first_token_time is None:
@@ -213,18 +217,29 @@ class SpecDecoder:
             idx = to_device([rows, cols], torch.int64, logits.device)
             logits.view(-1, logits.shape[-1])[idx[0], idx[1]] = float("-inf")
 
-    def _accept(self, logits: torch.Tensor, reqs: list[Req], num_drafts: list[int]) -> list[list[int]]:
+    def _accept(self, logits: torch.Tensor, reqs: list[Req], num_drafts: list[int],
+                msgs: list[DetokenizeMsg]) -> list[list[int]]:
+        """The tokens each request commits. A request whose sampling settings cannot run (it bypassed
+        SamplingParams.validate) is failed alone, its row verified greedily and discarded (as Sampler does)."""
         draft_ids = to_device([r.pending_ids for r in reqs], torch.int64, logits.device)
-        return verify(
-            logits, draft_ids, num_drafts, [r.sampling for r in reqs], [r.generator for r in reqs],
-            self.sched.engine.sampler.generator,
-        )
+        params = [r.sampling for r in reqs]
+        generators = [r.generator for r in reqs]
+        try:
+            return verify(logits, draft_ids, num_drafts, params, generators, self.sched.engine.sampler.generator)
+        except Exception:  # noqa: BLE001  find the requests at fault
+            failed = unsampleable_rows(params, logits.shape[-1], logits.device)
+            if not failed:
+                raise
+        for i, error in failed.items():
+            msgs.append(self.sched._fail(reqs[i], f"this request's sampling settings cannot run: {error}"))
+        return verify(logits, draft_ids, num_drafts, greedy_in_place_of(params, failed), generators,
+                      self.sched.engine.sampler.generator)
 
     def _logprobs(self, logits: torch.Tensor, reqs: list[Req], committed: list[list[int]]) -> list[list[tuple]]:
         """Per request: (logprob, top dict) of each committed token, from its verify row."""
         out: list[list[tuple]] = [[] for _ in reqs]
         for i, r in enumerate(reqs):
-            if r.sampling.logprobs is None:
+            if r.finished or r.sampling.logprobs is None:  # (finished: failed in _accept)
                 continue
             n = len(committed[i])
             lp = logits[i, :n].log_softmax(dim=-1)

@@ -29,6 +29,7 @@ from freetoken_core.serving.params import (
 from freetoken_core.serving.report import configure_logging
 from freetoken_core.serving.request import _scalar, _text, parse_request
 from freetoken_core.serving.triton_io import input_arrays
+from freetoken_core.tokenizer.tokenize import config_vocab_size
 
 log = logging.getLogger("freetoken_core.serving")
 
@@ -215,6 +216,7 @@ class FreetokenModel:
             if faults:
                 install_fault_hook(self.sched, faults)
         self.max_tokens_limit = int(self.options["max_tokens_limit"]) or None
+        self.vocab_size = config_vocab_size(config.model_path) or None  # bounds input_ids, top_k and stop_token_ids
         self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
         self.send_unasked_outputs = send_unasked_outputs(params)
         probe_ms = self.options["nonstream_cancel_probe_ms"]
@@ -281,9 +283,10 @@ class FreetokenModel:
             sender = request.get_response_sender()
             try:
                 tensors = input_arrays(pb, request, INPUT_NAMES)
-                parsed = parse_request(tensors, self.max_tokens_limit, max_nonstream_tokens=self.max_nonstream_tokens,
+                parsed = parse_request(tensors, self.max_tokens_limit, vocab_size=self.vocab_size,
+                                       max_nonstream_tokens=self.max_nonstream_tokens,
                                        send_unasked_outputs=self.send_unasked_outputs,
-                                       from_ensemble=from_ensemble(tensors))
+                                       parameters=request.parameters(), from_ensemble=from_ensemble(tensors))
             except ValueError as e:
                 self.loop.reject(sender, str(e))
                 continue

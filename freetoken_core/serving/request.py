@@ -87,42 +87,48 @@ def _is_union(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
+def _coerce_scalar(name: str, value: Any, kind: type) -> Any:
+    """One JSON value -> bool / int / float / str, exactly: genai-perf's numbers sent as strings ("128", "0.9",
+    "true") convert; any other type (2 for a bool, 1.7 for an integer, null or a number for a string) is refused."""
+    what = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}.get(kind, kind.__name__)
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "false", "0"):
+                return value.lower() in ("true", "1")
+        elif kind is int and not isinstance(value, bool):
+            if isinstance(value, int):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, str):
+                return int(value)
+        elif kind is float and not isinstance(value, bool):
+            if isinstance(value, (int, float, str)):
+                return float(value)
+        elif kind is str and isinstance(value, str):
+            return value
+    except (TypeError, ValueError, OverflowError):
+        pass
+    raise ValueError(f"sampling_parameters: {name} must be {what}, got {value!r}")
+
+
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
-    """genai-perf sends sampling_parameters values as strings ("128"): convert by field type."""
+    """A `sampling_parameters` value -> its SamplingParams field's type (ranges: SamplingParams.validate)."""
     args = typing.get_args(annotation) if _is_union(annotation) else ()
     base = next((a for a in args if a is not type(None)), annotation) if args else annotation
-    origin = typing.get_origin(base)
     if value is None and type(None) in args:
         return None
-    try:
-        if base is bool:
-            if isinstance(value, str):
-                if value.lower() in ("true", "1"):
-                    return True
-                if value.lower() in ("false", "0"):
-                    return False
-                raise ValueError
-            return bool(value)
-        if base is int:
-            if isinstance(value, bool):
-                raise ValueError
-            if isinstance(value, float):
-                if not value.is_integer():
-                    raise ValueError
-                return int(value)
-            return int(value)
-        if base is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if origin is list:
-            if isinstance(value, (str, int)):
-                value = [value]
-            (item_type,) = typing.get_args(base) or (str,)
-            return [item_type(v) for v in value]
-    except (TypeError, ValueError):
-        raise ValueError(f"sampling_parameters: {name}={value!r} is not a valid {getattr(base, '__name__', base)}") from None
-    return value
+    if typing.get_origin(base) is list:
+        (item_type,) = typing.get_args(base) or (str,)
+        if isinstance(value, item_type) and not isinstance(value, bool):  # one stop string or one stop id
+            value = [value]
+        if not isinstance(value, list):
+            raise ValueError(f"sampling_parameters: {name} must be a list of {item_type.__name__} "
+                             f"(or one {item_type.__name__}), got {value!r}")
+        return [_coerce_scalar(name, v, item_type) for v in value]
+    return _coerce_scalar(name, value, base)
 
 
 def parse_sampling_parameters(text: str) -> dict[str, Any]:
@@ -144,17 +150,40 @@ def parse_sampling_parameters(text: str) -> dict[str, Any]:
     return {k: _coerce(k, v, hints[k]) for k, v in raw.items()}
 
 
+# Request parameters the models read: none. Triton's HTTP generate endpoints put every JSON key that names no input
+# of the model into the request's parameters (gRPC clients may send parameters too), and the ensemble hands them to
+# each step: a misspelled input ("max_token") would be ignored silently, so each one is refused by name.
+KNOWN_REQUEST_PARAMETERS: frozenset[str] = frozenset()
+
+
+def check_request_parameters(parameters_json: str) -> None:
+    """Refuse a request's parameters (`request.parameters()` of the Python backend, a JSON object) that no model
+    reads, naming them."""
+    try:
+        parameters = json.loads(parameters_json) if parameters_json and parameters_json.strip() else {}
+    except json.JSONDecodeError:
+        raise ValueError(f"the request's parameters are not a JSON object: {parameters_json[:200]!r}") from None
+    unknown = sorted(set(parameters) - KNOWN_REQUEST_PARAMETERS) if isinstance(parameters, dict) else []
+    if unknown:
+        raise ValueError(f"unknown request field(s) {unknown}: neither an input of this model nor a parameter it "
+                         "reads (check the spelling; GET /v2/models/<model>/config lists the inputs, sampling "
+                         "settings may also go in the sampling_parameters JSON)")
+
+
 def parse_request(
     tensors: Mapping[str, np.ndarray],
     max_tokens_limit: int | None = None,
     vocab_size: int | None = None,
     max_nonstream_tokens: int | None = None,
     send_unasked_outputs: bool = True,
+    parameters: str = "",
     from_ensemble: bool = False,
 ) -> ParsedRequest:
     """Validate one request; raise ValueError with a message that names the bad input or limit.
     send_unasked_outputs (serving parameter optional_outputs): whether an optional output whose return_<name> input
-    the client left out is sent (True, "all") or only one it asked for (False, "asked": the vLLM backend's rule)."""
+    the client left out is sent (True, "all") or only one it asked for (False, "asked": the vLLM backend's rule).
+    parameters: the request's parameters as JSON (check_request_parameters)."""
+    check_request_parameters(parameters)
     ids = tensors.get("input_ids")
     if ids is None:
         raise ValueError("missing required input 'input_ids'")
@@ -203,7 +232,7 @@ def parse_request(
     if return_logprobs and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0
     params = SamplingParams(**kwargs)
-    params.validate(max_tokens_limit or None)
+    params.validate(max_tokens_limit or None, vocab_size)
     exclude = _scalar(tensors.get("exclude_input_in_output"))
     exclude = True if exclude is None else bool(exclude)
     stream = bool(_scalar(tensors.get("stream")) or False)

@@ -16,7 +16,7 @@ from freetoken_core.serving.cancel import notify_cancel
 from freetoken_core.serving.ensemble_secret import ensemble_secret, route_tag
 from freetoken_core.serving.chat import parse_chat_messages
 from freetoken_core.serving.response import META_LOGPROBS, META_OMIT, EnsembleMeta, read_ensemble_meta
-from freetoken_core.serving.request import _scalar, _strings, _text, parse_detok_params
+from freetoken_core.serving.request import _scalar, _strings, _text, check_request_parameters, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
 
@@ -25,8 +25,11 @@ def _bytes(s: str) -> np.ndarray:
     return np.array([s.encode("utf-8")], dtype=np.object_)
 
 
-def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """text_input / messages (+ apply_chat_template, stop_words) -> input_ids, stop_token_ids."""
+def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray], parameters: str = "") -> dict[str, np.ndarray]:
+    """text_input / messages (+ apply_chat_template, stop_words) -> input_ids, stop_token_ids. parameters: the
+    request's parameters as JSON, where Triton's HTTP generate puts unknown (misspelled) fields: refused here, at the
+    ensemble's first step."""
+    check_request_parameters(parameters)
     text = _scalar(tensors.get("text_input"))
     messages_json = _scalar(tensors.get("messages"))
     chat = bool(_scalar(tensors.get("apply_chat_template")) or False)
@@ -142,7 +145,10 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray],
                 passthrough[f"{name}_out"] = np.asarray(tensors[name], dtype=np.uint32).reshape(1)
     params = tensors.get("detok_params")
     stop, include, skip = parse_detok_params(_text(_scalar(params) or b"")) if params is not None else _DEFAULT_DETOK
-    step = decode_step(tok, ctx_ids, new.tolist(), skip_special_tokens=skip, stop=stop,
+    new_ids = new.tolist()
+    tok.check_ids("next_tokens", new_ids)  # a direct call may send any ids: no empty text for a non-token
+    tok.check_ids("context_tokens", ctx_ids)
+    step = decode_step(tok, ctx_ids, new_ids, skip_special_tokens=skip, stop=stop,
                        include_stop_str_in_output=include, finished=finished)
     prompt = tensors.get("prompt_text")
     text = step.text if prompt is None else _text(_scalar(prompt) or b"") + step.text

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -34,7 +34,7 @@ def load_tokenizer(model_path: str) -> "Tokenizer":
     else:
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         config_dir = path
-    return Tokenizer(hf, generation_eos=_generation_config_eos(config_dir))
+    return Tokenizer(hf, generation_eos=_generation_config_eos(config_dir), model_vocab_size=config_vocab_size(config_dir))
 
 
 def _auto_tokenizer_class() -> Any:
@@ -51,6 +51,17 @@ def _auto_tokenizer_class() -> Any:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast
+
+
+def config_vocab_size(model_dir: str) -> int:
+    """vocab_size of the model's config.json (a multimodal wrapper's under text_config), read without transformers
+    or torch; 0 where the directory has none (a .gguf beside no config.json)."""
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        return 0
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 0)
 
 
 def _generation_config_eos(model_dir: str) -> list[int]:
@@ -74,6 +85,9 @@ class Tokenizer:
 
     hf: Any
     generation_eos: list[int] = field(default_factory=list)
+    # the model's vocabulary (config.json; 0: unknown): often padded past the tokenizer's, and the engine may sample
+    # a padding id, which decodes to no text; an id past both is no token at all (check_ids)
+    model_vocab_size: int = 0
     _anchors: np.ndarray | None = field(default=None, init=False, repr=False)
     _special_ids: frozenset[int] | None = field(default=None, init=False, repr=False)
 
@@ -82,6 +96,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer can produce (base vocabulary plus added tokens)."""
         return len(self.hf)
+
+    @property
+    def id_limit(self) -> int:
+        """One past the largest valid token id: the model's vocabulary or the tokenizer's, the larger."""
+        return max(self.vocab_size, self.model_vocab_size)
+
+    def check_ids(self, field_name: str, ids: Sequence[int]) -> None:
+        """Raise ValueError naming the first id outside [0, id_limit) (else decode returns empty text for it)."""
+        limit = self.id_limit
+        bad = next((t for t in ids if not 0 <= t < limit), None)
+        if bad is not None:
+            raise ValueError(f"{field_name}: token id {bad} is outside the vocabulary [0, {limit})")
 
     @property
     def special_ids(self) -> frozenset[int]:

@@ -114,3 +114,23 @@ def test_slim_ensemble_response_is_one_tensor_and_decodes_like_the_full_one(tok)
         read_ensemble_meta(np.concatenate([slim["meta"], [5]]).astype(np.int32))
     with pytest.raises(ValueError, match="fewer than"):
         read_ensemble_meta(np.array([1, 2, 3], np.int32))
+
+
+def test_detokenizer_refuses_ids_outside_the_vocabulary(tok):
+    """A direct detokenizer call with ids no token has gets an error naming the id and the size, not empty text;
+    padding ids of the model's vocabulary (past the tokenizer's) still decode, to nothing."""
+    limit = tok.id_limit
+    assert limit == max(tok.vocab_size, tok.model_vocab_size) and tok.model_vocab_size == 49152
+    for name, bad in (("next_tokens", limit), ("next_tokens", -1), ("context_tokens", 10**6)):
+        tensors = {"next_tokens": np.array([504, 3458], np.int32), "context_tokens": np.array([504], np.int32)}
+        tensors[name] = np.array([bad], np.int32)
+        with pytest.raises(ValueError, match=rf"{name}: token id {bad} is outside the vocabulary \[0, {limit}\)"):
+            detokenize_response(tok, tensors)
+    ok = detokenize_response(tok, {"next_tokens": np.array([limit - 1], np.int32)})
+    assert ok["text_output"].dtype == object
+
+
+def test_unknown_request_parameters_are_refused_by_the_tokenizer_step(tok):
+    with pytest.raises(ValueError, match=r"unknown request field\(s\) \['max_token', 'temprature'\]"):
+        tokenize_request(tok, {"text_input": _b("Hello")}, '{"max_token": 100, "temprature": 0.5}')
+    assert tokenize_request(tok, {"text_input": _b("Hello")}, "{}")["input_ids"].size

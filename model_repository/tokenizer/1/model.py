@@ -17,4 +17,5 @@ class TritonPythonModel:
         freeze_text_model(args, "tokenizer")
 
     def execute(self, requests):
-        return respond_each(pb_utils, requests, INPUTS, lambda request, tensors: tokenize_request(self.tok, tensors))
+        return respond_each(pb_utils, requests, INPUTS, lambda request, tensors: tokenize_request(
+            self.tok, tensors, request.parameters()))
