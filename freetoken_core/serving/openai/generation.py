@@ -4,6 +4,7 @@ reason, usage, SSE framing and logprob entries."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -43,12 +44,21 @@ class Tally:
         return "tool_calls" if tool_calls else "stop"
 
 
+_ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
+# the ensemble's refusals start with the input they name; the OpenAI field that set it
+_PARAM_OF_MESSAGE = (("chat message", "messages"), ("messages", "messages"), ("max_tokens", "max_tokens"),
+                     ("the prompt", "prompt"), ("stop", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
+                     ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"))
+
+
 async def engine_error(client: EnsembleClient, e: EngineError) -> APIError:
     """A request the ensemble refused: 503 when the server is not ready (the engine is down or restarting), else
     the ensemble's own message as a 400 (its refusals name the bad input)."""
+    message = _ENSEMBLE_PREFIX.sub("", str(e))
     if not await client.ready():
-        return APIError(503, f"the engine is not ready: {e}", type_="service_unavailable")
-    return APIError(400, str(e))
+        return APIError(503, f"the engine is not ready: {message}", type_="service_unavailable")
+    param = next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
+    return APIError(400, message, param=param)
 
 
 async def start(client: EnsembleClient, request: EnsembleRequest) -> tuple[EnsembleStep, AsyncIterator[EnsembleStep]]:
