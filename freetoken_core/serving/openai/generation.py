@@ -58,6 +58,8 @@ async def engine_error(client: EnsembleClient, e: EngineError) -> APIError:
     if not await client.ready():
         return APIError(503, f"the engine is not ready: {message}", type_="service_unavailable")
     param = next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
+    if param and not message.startswith(param):
+        message = f"{param}: {message}"
     return APIError(400, message, param=param)
 
 
