@@ -243,3 +243,69 @@ def test_api_key(triton_server, tmp_path):
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 200  # probes need no key
     finally:
         stop_frontend(proc)
+
+
+def test_the_frontend_dies_with_its_parent(triton_server, tmp_path):
+    """A parent killed with SIGKILL (no cleanup runs) takes the frontend with it (lifetime.py)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from freetoken_core.serving.launcher import free_ports
+
+    port = free_ports(1)[0]
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path\n"
+        "from freetoken_core.serving.openai.process import FrontendOptions, start_frontend\n"
+        f"p = start_frontend({triton_server.grpc_url!r}, Path({str(triton_server.repo_dir)!r}), "
+        f"FrontendOptions(port={port}, host='127.0.0.1'))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _get(f"http://127.0.0.1:{port}/health")[0] == 200
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+
+        def gone() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        assert wait_for(gone, 15)
+    finally:
+        parent.kill()
+
+
+def test_serve_options_of_the_frontend(monkeypatch):
+    import argparse
+
+    from freetoken_core.serving.launcher import add_serve_args
+    from freetoken_core.serving.openai.process import API_KEY_ENV, DEFAULT_OPENAI_PORT, frontend_options
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    opts = frontend_options(p.parse_args([]))
+    assert opts is not None and opts.port == DEFAULT_OPENAI_PORT and opts.api_key is None
+    assert frontend_options(p.parse_args(["--no-openai"])) is None
+    monkeypatch.setenv(API_KEY_ENV, "k")
+    opts = frontend_options(p.parse_args(["--openai-port", "9100", "--served-model-name", "m"]))
+    assert (opts.port, opts.served_model_name, opts.api_key) == (9100, "m", "k")
+
+
+def test_prompt_counts_match_the_engine_for_the_default_max_tokens(client, triton_server):
+    """Unset max_tokens is the rest of the context, counted with the ensemble's own tokenizer and chat parsing."""
+    from freetoken_core.serving.openai.served_model import load_served_model
+
+    model = load_served_model(triton_server.repo_dir)
+    assert model.name == MODEL and model.max_tokens_limit == 512 and model.context_limit == 1024
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert model.chat_prompt_tokens(CHAT) == chat.usage.prompt_tokens
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert model.text_prompt_tokens(PROMPT) == text.usage.prompt_tokens
+    assert model.default_max_tokens(1000) == 24 and model.default_max_tokens(10) == 512
+    assert model.tool_format is None and model.starts_in_reasoning is None  # SmolLM2's template has neither

@@ -55,8 +55,9 @@ def load_served_model(repo_dir: Path, served_name: str | None = None) -> ServedM
         raise ValueError(f"{repo_dir}/freetoken/config.pbtxt has no model_path")
     tok = load_tokenizer(model_path)
     max_seq_len = int(get_parameter(cfg, "max_seq_len") or 0) or _model_max_positions(model_path)
-    spec = int(get_parameter(cfg, "num_speculative_tokens") or 0)
-    rows = max(int(get_parameter(cfg, "decode_rows_per_req") or 1), spec + 1)
+    rows = int(get_parameter(cfg, "decode_rows_per_req") or 1)
+    if (get_parameter(cfg, "speculative") or "").strip():  # a verify step holds k + 1 rows (config.py)
+        rows = max(rows, int(get_parameter(cfg, "num_speculative_tokens") or 0) + 1)
     limit = int(get_parameter(cfg, "max_tokens_limit") or 0)
     template = getattr(tok.hf, "chat_template", None) or ""
     return ServedModel(
