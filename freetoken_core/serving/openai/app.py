@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from freetoken_core.serving.openai import chat_completions, completions
 from freetoken_core.serving.openai.disconnect import (ClientDisconnected, DisconnectAwareStreamingResponse,
                                                       until_disconnect)
-from freetoken_core.serving.openai.ensemble_client import EnsembleClient, EnsembleStep
-from freetoken_core.serving.openai.generation import start
+from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleClient, EnsembleStep
+from freetoken_core.serving.openai.generation import engine_error, start
 from freetoken_core.serving.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, now
 from freetoken_core.serving.openai.served_model import ServedModel
 from freetoken_core.serving.openai.translate import chat_request, completion_request
@@ -87,7 +87,10 @@ def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None) ->
 
             async def whole() -> dict[str, Any]:
                 first, rest = await first_and_rest()
-                return await aggregate(first, rest)
+                try:
+                    return await aggregate(first, rest)
+                except EngineError as e:  # failed after it started (an engine fault): not the request's fault
+                    raise await engine_error(client, e, status=500) from None
 
             return JSONResponse(await until_disconnect(request, whole()))
         except ClientDisconnected:

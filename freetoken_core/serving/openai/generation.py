@@ -51,12 +51,14 @@ _PARAM_OF_MESSAGE = (("chat message", "messages"), ("messages", "messages"), ("m
                      ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"))
 
 
-async def engine_error(client: EnsembleClient, e: EngineError) -> APIError:
+async def engine_error(client: EnsembleClient, e: EngineError, status: int = 400) -> APIError:
     """A request the ensemble refused: 503 when the server is not ready (the engine is down or restarting), else
-    the ensemble's own message as a 400 (its refusals name the bad input)."""
+    the ensemble's own message as a 400 (its refusals name the bad input), or `status` for a failure mid-answer."""
     message = _ENSEMBLE_PREFIX.sub("", str(e))
     if not await client.ready():
         return APIError(503, f"the engine is not ready: {message}", type_="service_unavailable")
+    if status != 400:
+        return APIError(status, message)
     param = next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
     if param and not message.startswith(param):
         message = f"{param}: {message}"
