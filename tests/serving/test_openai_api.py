@@ -218,13 +218,20 @@ def _raw_post(port: int, path: str, body: dict) -> socket.socket:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_aborts_the_engine_request(triton_server, frontend, stream):
+    assert wait_for(lambda: _counts(triton_server)[1] == 0, 30)  # nothing else runs
     aborted0, _ = _counts(triton_server)
     s = _raw_post(frontend, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 500,
                                                 "ignore_eos": True, "stream": stream})
-    if stream:
-        assert b"data:" in s.recv(4096)  # the stream is under way
-    assert wait_for(lambda: _counts(triton_server)[1] == 1, 30)  # the engine runs it
-    s.close()
+    try:
+        if stream:  # the stream is under way: its first event came
+            received = b""
+            while b"data:" not in received:
+                chunk = s.recv(4096)
+                assert chunk, received
+                received += chunk
+        assert wait_for(lambda: _counts(triton_server)[1] == 1, 30)  # the engine runs it
+    finally:
+        s.close()
     t0 = time.monotonic()
     assert wait_for(lambda: _counts(triton_server) == (aborted0 + 1, 0), 20), _counts(triton_server)
     assert time.monotonic() - t0 < 10
