@@ -456,7 +456,7 @@ def serve_main(args: argparse.Namespace) -> int:
                           extra_args=args.server_arg, ready_timeout=args.ready_timeout, host=triton_host)
     if openai is not None:
         try:
-            handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir, openai)
+            handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir, openai, metrics_url=handle.metrics_url)
         except BaseException:
             handle.stop()
             raise

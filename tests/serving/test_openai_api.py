@@ -25,13 +25,14 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
 
 
-def _frontend(triton_server, tmp_path: Path, **opts):
+def _frontend(triton_server, tmp_path: Path, grpc_url: str | None = None, **opts):
     from freetoken_core.serving.launcher import free_ports
     from freetoken_core.serving.openai.process import FrontendOptions, start_frontend
 
     port = free_ports(1)[0]
-    proc = start_frontend(triton_server.grpc_url, triton_server.repo_dir,
-                          FrontendOptions(port=port, host="127.0.0.1", **opts), log_path=tmp_path / "frontend.log")
+    proc = start_frontend(grpc_url or triton_server.grpc_url, triton_server.repo_dir,
+                          FrontendOptions(port=port, host="127.0.0.1", **opts), log_path=tmp_path / "frontend.log",
+                          metrics_url=triton_server.metrics_url)
     return proc, port
 
 
@@ -66,10 +67,32 @@ def _streamed_chat(client, **kw) -> tuple[str, str | None, object]:
     return "".join(text), finish, usage
 
 
-def test_models_and_health(client, frontend):
+def test_models_health_and_metrics(client, frontend):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, _ = _get(f"http://127.0.0.1:{frontend}/health")
     assert status == 200
+    status, text = _get(f"http://127.0.0.1:{frontend}/metrics")  # Triton's, passed through
+    assert status == 200 and "freetoken_num_requests_running" in text
+
+
+def test_no_engine_is_503(triton_server, tmp_path):
+    """A frontend whose Triton server is not there: /health and requests answer 503, in OpenAI's error shape."""
+    import urllib.error
+
+    from freetoken_core.serving.launcher import free_ports
+    from freetoken_core.serving.openai.process import stop_frontend
+
+    proc, port = _frontend(triton_server, tmp_path, grpc_url=f"127.0.0.1:{free_ports(1)[0]}")
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _get(f"http://127.0.0.1:{port}/health")
+        assert e.value.code == 503
+        dead = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as err:
+            dead.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3)
+        assert err.value.status_code == 503 and "not ready" in err.value.message
+    finally:
+        stop_frontend(proc)
 
 
 def _get(url: str) -> tuple[int, str]:

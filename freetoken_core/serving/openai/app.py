@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import urllib.error
+import urllib.request
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -40,7 +43,16 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return _error(APIError(400, msg, param=param))
 
 
-def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None) -> FastAPI:
+def _fetch_metrics(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read()
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
+        return 503, f"Triton's metrics at {url} did not answer: {e}\n".encode()
+
+
+def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None,
+               metrics_url: str | None = None) -> FastAPI:
     client: EnsembleClient  # made on the server's event loop, which its gRPC channel belongs to
 
     @asynccontextmanager
@@ -70,6 +82,14 @@ def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None) ->
     async def health() -> Response:
         ready = await client.ready()
         return Response(status_code=200 if ready else 503)
+
+    if metrics_url:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """Triton's Prometheus metrics (the engine's freetoken_* series), passed through: with an API key
+            Triton's own ports listen on 127.0.0.1 only."""
+            status, body = await asyncio.to_thread(_fetch_metrics, metrics_url)
+            return Response(body, status_code=status, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

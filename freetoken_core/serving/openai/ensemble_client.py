@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
+import grpc
 import numpy as np
 from tritonclient.utils import np_to_triton_dtype
 
@@ -146,7 +147,14 @@ class EnsembleClient:
         call = self._client.stream_infer(requests())
         finished = False
         try:
-            async for result, error in call:
+            while True:
+                try:
+                    result, error = await call.__anext__()
+                except StopAsyncIteration:
+                    raise EngineError("the server closed the stream before the request finished") from None
+                except grpc.aio.AioRpcError as e:  # no server on the port, or it went away mid-answer
+                    finished = True
+                    raise EngineError(f"the Triton server is unreachable: {e.details()}") from None
                 if error is not None:
                     finished = True  # the request ended with its error: nothing to cancel
                     raise EngineError(str(error))

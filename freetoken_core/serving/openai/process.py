@@ -36,10 +36,12 @@ class FrontendOptions:
 
 
 def start_frontend(grpc_url: str, repo_dir: Path, opts: FrontendOptions, log_path: Path | None = None,
-                   ready_timeout: float = 120.0) -> subprocess.Popen:
+                   ready_timeout: float = 120.0, metrics_url: str | None = None) -> subprocess.Popen:
     """Start the frontend against the server's gRPC port and wait until it answers /health (or fails)."""
     cmd = [sys.executable, "-m", "freetoken_core.serving.openai.process", "--grpc-url", grpc_url,
            "--repo-dir", str(repo_dir), "--host", opts.host, "--port", str(opts.port)]
+    if metrics_url:
+        cmd += ["--metrics-url", metrics_url]
     if opts.served_model_name:
         cmd += ["--served-model-name", opts.served_model_name]
     env = dict(os.environ)
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=DEFAULT_OPENAI_PORT)
     p.add_argument("--served-model-name")
+    p.add_argument("--metrics-url", help="Triton's metrics URL, served again at /metrics")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     watch_parent("openai frontend")
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken_core.serving.openai.served_model import load_served_model
 
     model = load_served_model(args.repo_dir, args.served_model_name)
-    app = create_app(args.grpc_url, model, api_key=os.environ.get(API_KEY_ENV) or None)
+    app = create_app(args.grpc_url, model, api_key=os.environ.get(API_KEY_ENV) or None,
+                     metrics_url=args.metrics_url)
     log.info("OpenAI API for model '%s' on %s:%d (ensemble at %s)%s", model.name, args.host, args.port,
              args.grpc_url, ", API key required" if os.environ.get(API_KEY_ENV) else "")
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
