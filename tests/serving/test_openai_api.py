@@ -123,6 +123,9 @@ def test_completions_usage_counts_and_length(client, triton_server):
                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == PROMPT + r.choices[0].text
 
 
 def test_unset_max_tokens_means_the_rest_of_the_context(client):
