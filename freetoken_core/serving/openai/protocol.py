@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -111,6 +111,3 @@ def tool_call_dicts(calls: list[Any], first_index: int, streamed: bool) -> list[
             entry = {"index": first_index + i, **entry}
         out.append(entry)
     return out
-
-
-FinishReason = Literal["stop", "length", "tool_calls"]
