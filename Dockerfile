@@ -18,11 +18,11 @@ ARG TORCH_SPEC=torch
 COPY pyproject.toml README.md ./
 COPY freetoken_core ./freetoken_core
 COPY model_repository ./model_repository
-RUN pip install "$TORCH_SPEC" "numpy<2" && pip install -e ".[gpu]" "tritonclient[all]" python-rapidjson requests
+RUN pip install "$TORCH_SPEC" "numpy<2" && pip install -e ".[gpu]" "tritonclient[all]" python-rapidjson requests fastapi uvicorn
 
 # Fetch and convert the default model at build time so the container starts offline.
 RUN freetoken-core fetch-model
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # `serve` finds /opt/tritonserver in this image and uses it instead of the pytriton wheel's copy.
 CMD ["freetoken-core", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--param", "device=cuda"]

@@ -33,6 +33,7 @@ from freetoken_core.serving.ensemble_secret import SECRET_ENV, new_secret
 from freetoken_core.serving.guard import (RUN_SHM_PREFIX_ENV, GuardOrders, RunFiles, remove_stale_runs, start_guard,
                                          stop_guard)
 from freetoken_core.lifetime import die_with_parent
+from freetoken_core.serving.openai.process import add_frontend_args, frontend_options, start_frontend, stop_frontend
 from freetoken_core.serving.params import all_param_names, env_overrides
 from freetoken_core.serving.report import configure_logging
 from freetoken_core.serving.supervisor import RESTARTS_SPENT_EXIT, EngineSupervisor, RestartPolicy
@@ -200,6 +201,7 @@ class ServerHandle:
     guard: subprocess.Popen | None = None  # takes the server down if this process dies (serving/guard.py)
     host: str = "127.0.0.1"  # where clients of this process reach it
     ensemble_secret: str = ""  # the server's (serving/ensemble_secret.py): for tests that play the tokenizer step
+    frontend: subprocess.Popen | None = None  # the OpenAI API (serving/openai/process.py), stopped first
     _owned_dirs: list[Path] = field(default_factory=list)
 
     @property
@@ -229,6 +231,9 @@ class ServerHandle:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGINT (tritonserver unloads its models and drains), SIGKILL after `timeout`; then whatever of its
         process group is left (a stub or engine process that outlived it) and its files."""
+        if self.frontend is not None:
+            stop_frontend(self.frontend)
+            self.frontend = None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGINT)
             try:
@@ -441,6 +446,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_ENGINE_RESTARTS}, or ${ENGINE_RESTARTS_ENV})")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="one more tritonserver argument, as --server-arg=--trace-config=level=TIMESTAMPS (repeatable)")
+    add_frontend_args(p)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -460,9 +466,21 @@ def serve_main(args: argparse.Namespace) -> int:
         os.environ.get(ENGINE_RESTARTS_ENV, DEFAULT_ENGINE_RESTARTS))
     if restarts < 0:
         raise SystemExit(f"--engine-restarts must be >= 0, got {restarts}")
+    openai = frontend_options(args)
+    triton_host = args.host
+    if openai is not None and openai.api_key:  # Triton's own ports would bypass the key
+        triton_host = "127.0.0.1"
+        log.info("an API key is set: Triton's HTTP, gRPC and metrics ports listen on 127.0.0.1 only")
     handle = start_server(overrides, args.http_port, args.grpc_port, args.metrics_port, args.repo_dir,
-                          extra_args=args.server_arg, ready_timeout=args.ready_timeout, host=args.host)
-    print("\nfreetoken is serving on tritonserver (Ctrl-C stops it)\n" + sample_commands(handle) + "\n", flush=True)
+                          extra_args=args.server_arg, ready_timeout=args.ready_timeout, host=triton_host)
+    if openai is not None:
+        try:
+            handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir, openai, metrics_url=handle.metrics_url)
+        except BaseException:
+            handle.stop()
+            raise
+    print("\nfreetoken is serving on tritonserver (Ctrl-C stops it)\n" + sample_commands(handle)
+          + (f"\nOpenAI API localhost:{openai.port}/v1" if openai is not None else "") + "\n", flush=True)
     supervisor = EngineSupervisor(f"http://{handle.http_url}", handle.admin_headers, RestartPolicy(restarts))
     stop = {"now": False}
 

@@ -241,7 +241,7 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
     p = argparse.ArgumentParser()
     launcher.add_serve_args(p)
     args = p.parse_args(["--model-path", "/m", "--server-arg=--trace-config=level=TIMESTAMPS",
-                         "--server-arg=--trace-config=rate=1"])
+                         "--server-arg=--trace-config=rate=1", "--no-openai"])
     assert launcher.serve_main(args) == 0
     assert seen["extra_args"] == ["--trace-config=level=TIMESTAMPS", "--trace-config=rate=1"]
     assert seen["overrides"]["model_path"] == "/m"

@@ -49,11 +49,11 @@ class Launcher:
             find_tritonserver()
         except RuntimeError as e:
             pytest.skip(f"no tritonserver: {e}")
-        self.http, self.grpc, self.metrics = free_ports(3)
+        self.http, self.grpc, self.metrics, self.openai = free_ports(4)
         cmd = [sys.executable, "-m", "freetoken_core.cli", "serve", "--model-path", smollm2_path, "--dtype", "float32",
                "--device", "cpu", "--max-running-req", "8", "--param", "num_pages=256", "--host", "127.0.0.1",
                "--http-port", str(self.http), "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics),
-               *extra]
+               "--openai-port", str(self.openai), *extra]
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         self.log_path = tmp_path / "launcher.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115
@@ -66,7 +66,9 @@ class Launcher:
     def ready(self) -> bool:
         from freetoken_core.serving.supervisor import http_status
 
-        return http_status(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=1.0) == 200
+        # the OpenAI frontend starts last: once it answers, the whole tree is up
+        return (http_status(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=1.0) == 200
+                and http_status(f"http://127.0.0.1:{self.openai}/health", timeout=1.0) == 200)
 
     def running(self) -> float:
         """freetoken_num_requests_running (0 when the unloaded model took the series with it)."""

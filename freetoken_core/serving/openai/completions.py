@@ -1,0 +1,87 @@
+"""POST /v1/completions: one ensemble stream -> a text_completion, or its streamed chunks."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleStep
+from freetoken_core.serving.openai.generation import SSE_DONE, Tally, all_steps, sse, token_logprobs
+from freetoken_core.serving.openai.protocol import CompletionRequest, new_id, now
+from freetoken_core.serving.openai.served_model import ServedModel
+from freetoken_core.serving.openai.translate import completion_prompt
+
+
+class _Logprobs:
+    """The legacy completions logprobs object: tokens, their logprobs and text offsets (no top logprobs)."""
+
+    def __init__(self, offset: int) -> None:
+        self.tokens: list[str] = []
+        self.values: list[float] = []
+        self.offsets: list[int] = []
+        self._offset = offset
+
+    def add(self, pairs: list[tuple[str, float]]) -> None:
+        for text, lp in pairs:
+            self.tokens.append(text)
+            self.values.append(lp)
+            self.offsets.append(self._offset)
+            self._offset += len(text)
+
+    def body(self, start: int = 0) -> dict[str, Any]:
+        return {"tokens": self.tokens[start:], "token_logprobs": self.values[start:],
+                "top_logprobs": None, "text_offset": self.offsets[start:]}
+
+
+async def completion(req: CompletionRequest, model: ServedModel, first: EnsembleStep,
+                     rest: AsyncIterator[EnsembleStep]) -> dict[str, Any]:
+    tally, texts = Tally(), []
+    echo = completion_prompt(req) if req.echo else ""
+    logprobs = _Logprobs(len(echo))
+    async for step in all_steps(first, rest):
+        tally.add(step)
+        texts.append(step.text)
+        if req.logprobs is not None:
+            logprobs.add(token_logprobs(model.tokenizer, step))
+    return {
+        "id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model.name,
+        "choices": [{"index": 0, "text": echo + "".join(texts),
+                     "logprobs": logprobs.body() if req.logprobs is not None else None,
+                     "finish_reason": tally.openai_finish_reason()}],
+        "usage": tally.usage(),
+    }
+
+
+async def completion_stream(req: CompletionRequest, model: ServedModel, first: EnsembleStep,
+                            rest: AsyncIterator[EnsembleStep]) -> AsyncIterator[str]:
+    tally = Tally()
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model.name}
+    echo = completion_prompt(req) if req.echo else ""
+    logprobs = _Logprobs(len(echo))
+
+    def chunk(text: str, finish_reason: str | None = None, lp: Any = None) -> str:
+        body = {**base, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    if echo:
+        yield chunk(echo)
+    try:
+        async for step in all_steps(first, rest):
+            tally.add(step)
+            lp = None
+            if req.logprobs is not None and step.token_ids:
+                start = len(logprobs.tokens)
+                logprobs.add(token_logprobs(model.tokenizer, step))
+                lp = logprobs.body(start)
+            if step.text or lp:
+                yield chunk(step.text, lp=lp)
+    except EngineError as e:
+        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield SSE_DONE
+        return
+    yield chunk("", finish_reason=tally.openai_finish_reason())
+    if include_usage:
+        yield sse({**base, "choices": [], "usage": tally.usage()})
+    yield SSE_DONE

@@ -1,0 +1,169 @@
+"""The frontend's one road to the engine: the ensemble over tritonclient's asyncio gRPC streaming.
+
+Every OpenAI request is one gRPC stream with one ensemble request on it, streaming or not (a non-streaming answer
+is the aggregate of the stream), so a client that leaves is seen at once: closing the generator cancels the gRPC
+call, Triton marks the request cancelled, and the ensemble's detokenizer tells the engine to abort it
+(serving/cancel.py). The stream ends at the response that carries a finish reason (the asyncio client cannot ask
+for Triton's empty FINAL response, so the request asks for `finish_reason` in every response).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping
+
+import grpc
+import numpy as np
+from tritonclient.utils import np_to_triton_dtype
+
+ENSEMBLE_MODEL = "ensemble"
+# What each OpenAI request asks of every response: the finish reason ends the stream; the counts become `usage`
+ALWAYS_RETURNED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+
+
+class EngineError(Exception):
+    """The ensemble refused or failed the request; `message` is the server's."""
+
+
+@dataclass(frozen=True)
+class EnsembleRequest:
+    """The ensemble inputs of one OpenAI request (names of model_repository/ensemble/config.pbtxt)."""
+
+    text_input: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_words: tuple[str, ...] = ()
+    return_logprobs: bool = False
+    sampling_parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """{input name: numpy array}, only the inputs this request sets."""
+        out: dict[str, np.ndarray] = {"stream": np.array([True])}
+        if self.text_input is not None:
+            out["text_input"] = _string(self.text_input)
+        if self.messages is not None:
+            out["messages"] = _string(json.dumps(self.messages, ensure_ascii=False))
+        for name, dtype in (("max_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
+                            ("top_k", np.int32), ("min_p", np.float32), ("seed", np.int64),
+                            ("min_tokens", np.int32), ("ignore_eos", np.bool_)):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = np.array([value], dtype=dtype)
+        if self.stop_words:
+            out["stop_words"] = np.array([s.encode() for s in self.stop_words], dtype=np.object_)
+        if self.return_logprobs:
+            out["return_logprobs"] = np.array([True])
+        if self.sampling_parameters:
+            out["sampling_parameters"] = _string(json.dumps(dict(self.sampling_parameters)))
+        for name in ALWAYS_RETURNED:
+            out[name] = np.array([True])
+        return out
+
+
+def _string(s: str) -> np.ndarray:
+    return np.array([s.encode("utf-8")], dtype=np.object_)
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    """One ensemble response: the text delta and what came with it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "" until the last response
+    num_input_tokens: int | None
+    num_output_tokens: int | None
+
+
+def read_step(result: Any) -> EnsembleStep:
+    """A tritonclient InferResult -> EnsembleStep (absent outputs read as empty)."""
+    def arr(name: str) -> np.ndarray | None:
+        return result.as_numpy(name)
+
+    text = arr("text_output")
+    ids = arr("next_tokens")
+    lps = arr("logprobs")
+    reason = arr("finish_reason")
+    n_in, n_out = arr("num_input_tokens"), arr("num_output_tokens")
+    return EnsembleStep(
+        text="".join(v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in text.reshape(-1))
+        if text is not None else "",
+        token_ids=tuple(int(t) for t in ids.reshape(-1)) if ids is not None else (),
+        logprobs=tuple(float(x) for x in lps.reshape(-1)) if lps is not None else (),
+        finish_reason=(reason.reshape(-1)[0].decode() if reason is not None and reason.size else ""),
+        num_input_tokens=int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None,
+        num_output_tokens=int(n_out.reshape(-1)[0]) if n_out is not None and n_out.size else None,
+    )
+
+
+class EnsembleClient:
+    """One asyncio gRPC channel to the local Triton server, shared by every request of this process."""
+
+    def __init__(self, grpc_url: str, model: str = ENSEMBLE_MODEL) -> None:
+        import tritonclient.grpc.aio as grpcclient
+
+        self._grpc = grpcclient
+        self._client = grpcclient.InferenceServerClient(grpc_url)
+        self._model = model
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self._client.is_server_ready()) and bool(await self._client.is_model_ready(self._model))
+        except Exception:  # noqa: BLE001 (any transport failure means: not ready)
+            return False
+
+    async def input_names(self) -> frozenset[str]:
+        meta = await self._client.get_model_metadata(self._model, as_json=True)
+        return frozenset(i["name"] for i in meta["inputs"])
+
+    async def generate(self, request: EnsembleRequest, request_id: str = "") -> AsyncIterator[EnsembleStep]:
+        """The responses of one request until the one with a finish reason. Closing the generator early (the HTTP
+        client left; asyncio cancelled the task) cancels the gRPC call, which aborts the engine request."""
+        inputs = []
+        for name, value in request.tensors().items():
+            dtype = np_to_triton_dtype(value.dtype)
+            tensor = self._grpc.InferInput(name, list(value.shape), dtype)
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        done = asyncio.Event()
+
+        async def requests():  # the request stream stays open until the answer is complete
+            yield {"model_name": self._model, "inputs": inputs, "request_id": request_id}
+            await done.wait()
+
+        call = self._client.stream_infer(requests())
+        finished = False
+        try:
+            while True:
+                try:
+                    result, error = await call.__anext__()
+                except StopAsyncIteration:
+                    raise EngineError("the server closed the stream before the request finished") from None
+                except grpc.aio.AioRpcError as e:  # no server on the port, or it went away mid-answer
+                    finished = True
+                    raise EngineError(f"the Triton server is unreachable: {e.details()}") from None
+                if error is not None:
+                    finished = True  # the request ended with its error: nothing to cancel
+                    raise EngineError(str(error))
+                step = read_step(result)
+                finished = bool(step.finish_reason)
+                yield step
+                if finished:
+                    return
+        finally:
+            done.set()  # ends the request stream: the server then closes the call
+            if not finished:  # the consumer left early: the engine request is aborted
+                call.cancel()

@@ -1,0 +1,99 @@
+"""Chat answers assembled from recorded ensemble responses of a Qwen3-format model (reasoning + a tool call): the
+streamed chunks add up to the non-streamed message, and both validate as the official client's types."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+openai_types = pytest.importorskip("openai.types.chat")
+pytest.importorskip("fastapi")
+
+from freetoken_core.serving.openai.chat_completions import chat_completion, chat_completion_stream  # noqa: E402
+from freetoken_core.serving.openai.ensemble_client import EnsembleStep  # noqa: E402
+from freetoken_core.serving.openai.protocol import ChatCompletionRequest  # noqa: E402
+from freetoken_core.serving.openai.served_model import ServedModel  # noqa: E402
+
+RECORDED = ('<think>\nThe user wants the weather.\n</think>\n\nLet me look.\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def qwen_like(smollm2_path) -> ServedModel:
+    """SmolLM2's tokenizer (only logprob token texts use it) with a Qwen3 template's parsers."""
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+
+    return ServedModel(name="qwen-like", tokenizer=load_tokenizer(smollm2_path), context_limit=1024,
+                       max_tokens_limit=None, tool_format="hermes", starts_in_reasoning=False)
+
+
+def _steps(text: str, size: int, reason: str = "stop") -> list[EnsembleStep]:
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    return [EnsembleStep(text=p, token_ids=(1,), logprobs=(), num_input_tokens=20, num_output_tokens=i + 1,
+                         finish_reason=reason if i == len(pieces) - 1 else "") for i, p in enumerate(pieces)]
+
+
+async def _aiter(steps):
+    for s in steps:
+        yield s
+
+
+def _request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="qwen-like", messages=[{"role": "user", "content": "weather?"}], **kw)
+
+
+def _whole(model, req, steps) -> dict:
+    return asyncio.run(chat_completion(req, model, steps[0], _aiter(steps[1:])))
+
+
+def _streamed(model, req, steps) -> list[str]:
+    async def run():
+        return [e async for e in chat_completion_stream(req, model, steps[0], _aiter(steps[1:]))]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_reasoning_and_tool_call_streamed_equals_whole(qwen_like, size):
+    steps = _steps(RECORDED, size)
+    req = _request(stream=True, stream_options={"include_usage": True})
+    body = _whole(qwen_like, _request(), steps)
+    openai_types.ChatCompletion.model_validate(body)
+    msg = body["choices"][0]["message"]
+    assert msg["reasoning_content"] == "\nThe user wants the weather.\n"
+    assert msg["content"] == "Let me look.\n"
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": len(steps), "total_tokens": 20 + len(steps)}
+
+    events = _streamed(qwen_like, req, steps)
+    assert events[-1] == "data: [DONE]\n\n"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    for c in chunks:
+        openai_types.ChatCompletionChunk.model_validate(c)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == msg["content"]
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]) for c in calls] == [(0, msg["tool_calls"][0]["function"])]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+
+
+def test_tool_choice_none_keeps_the_block_as_text(qwen_like):
+    body = _whole(qwen_like, _request(tool_choice="none"), _steps(RECORDED, 5))
+    msg = body["choices"][0]["message"]
+    assert "tool_calls" not in msg and msg["content"].endswith("</tool_call>")
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_prefilled_think_and_length(qwen_like):
+    model = dataclasses.replace(qwen_like, starts_in_reasoning=True)
+    body = _whole(model, _request(), _steps("still thinking about it", 4, reason="length"))
+    msg = body["choices"][0]
+    assert msg["message"]["reasoning_content"] == "still thinking about it" and msg["message"]["content"] == ""
+    assert msg["finish_reason"] == "length"
