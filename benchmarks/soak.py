@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_requests import (BAD_CASES, ISSUE_52_BAD_CASES, KINDS, STREAMING, BadCase, Outcome,  # noqa: E402
+from soak_requests import (BAD_CASES, KINDS, STREAMING, BadCase, Outcome,  # noqa: E402
                            Template, execute, make_templates, run_grpc)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -96,7 +96,6 @@ class SoakConfig:
     max_tokens: int = 24
     seed: int = 0
     bad_fraction: float = 0.01
-    bad_cases: str = "refused"  # "refused": what the server refuses today; "all": with ISSUE_52_BAD_CASES
 
 
 @dataclass
@@ -128,17 +127,11 @@ class SoakReport:
         return {k: 100.0 * (b[k] - a[k]) / a[k] for k in a if k in b and a[k]}
 
 
-def bad_cases(which: str) -> tuple[BadCase, ...]:
-    if which not in ("refused", "all"):
-        raise ValueError(f"bad_cases must be 'refused' or 'all', got {which!r}")
-    return BAD_CASES + (ISSUE_52_BAD_CASES if which == "all" else ())
-
-
 def make_plan(cfg: SoakConfig, templates: list[Template]) -> list[tuple[str, Template, object, BadCase | None]]:
     """(kind, template, cancel point or None, bad case or None) per request. Bad requests sit at even
     intervals and take the cases (and each case its transports) in turn, so a short run meets every case."""
     rng = random.Random(cfg.seed)
-    cases = bad_cases(cfg.bad_cases)
+    cases = BAD_CASES
     bad_every = round(1 / cfg.bad_fraction) if cfg.bad_fraction > 0 else 0
     plan: list[tuple[str, Template, object, BadCase | None]] = []
     for i in range(cfg.requests):
@@ -289,9 +282,6 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--cancel-fraction", type=float, default=0.1)
     p.add_argument("--bad-fraction", type=float, default=0.01)
-    p.add_argument("--bad-cases", choices=["refused", "all"], default="refused",
-                   help="refused: the bad requests the server refuses today; all: with issue 52's cases too "
-                        "(huge top_k / seed, wrongly typed stop / stop_token_ids / ignore_eos, unknown HTTP key)")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-engine-rss-growth", type=float, default=2.0, metavar="PCT",
@@ -307,7 +297,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args()
     cfg = SoakConfig(args.requests, args.concurrency, args.cancel_fraction, args.max_tokens, args.seed,
-                     args.bad_fraction, args.bad_cases)
+                     args.bad_fraction)
     handle = None
     if args.grpc_url:
         grpc_url, http_url, metrics_url, pid = args.grpc_url, args.http_url, args.metrics_url, args.server_pid

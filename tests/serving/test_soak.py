@@ -18,9 +18,9 @@ pytest.importorskip("psutil")
 
 def test_short_soak(triton_server):
     soak = load_benchmark("soak")
-    # 1 in 20 bad (the full soak: 1 in 100), so each of the 8 refused-today cases comes up at least once
+    # 1 in 20 bad (the full soak: 1 in 100): 10 bad requests, from both transports
     cfg = soak.SoakConfig(requests=200, concurrency=8, cancel_fraction=0.15, max_tokens=12, seed=1,
-                          bad_fraction=0.05, bad_cases="refused")
+                          bad_fraction=0.05)
     report = soak.run_soak(triton_server.grpc_url, triton_server.http_url, triton_server.metrics_url, cfg,
                            triton_server.process.pid, log=lambda *_: None)
     print("\n" + soak.format_report(report))
@@ -41,13 +41,11 @@ def test_bad_requests_meet_every_case_and_transport():
     """The plan puts bad requests at even intervals, every case over each of its transports in turn."""
     soak = load_benchmark("soak")
     templates = soak.make_templates(8)
-    cfg = soak.SoakConfig(requests=4000, bad_fraction=0.01, bad_cases="all")
+    cfg = soak.SoakConfig(requests=4000, bad_fraction=0.01)
     plan = soak.make_plan(cfg, templates)
     bad = [(kind, case) for kind, _, cancel, case in plan if case is not None]
     assert len(bad) == 40 and all(cancel is None for _, _, cancel, case in plan if case is not None)
-    cases = soak.bad_cases("all")
+    cases = soak.BAD_CASES
     assert {(kind, case.template.name) for kind, case in bad} == {
         (kind, case.template.name) for case in cases for kind in case.kinds}
     assert 320 <= sum(cancel is not None for _, _, cancel, _ in plan) <= 470  # 10% of the good ones
-    with pytest.raises(ValueError, match="bad_cases"):
-        soak.bad_cases("some")
