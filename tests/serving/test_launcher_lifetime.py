@@ -158,8 +158,6 @@ def test_sigkilled_launcher_takes_the_whole_server_down(smollm2_path: str, tmp_p
     finally:
         for c in clients:
             c.close()
-        # while the engine is down, its gauges say so (0, or gone with the unloaded model), not the dead engine's 4
-        assert wait_for(lambda: server.running() == 0, 10), f"{server.running()} running: a gauge kept the dead value"
         server.close()
 
 
