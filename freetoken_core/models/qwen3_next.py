@@ -72,7 +72,8 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
     def can_fuse_shared_expert(self) -> bool:
         ex = self.experts
-        return (ex.executor is None and ex.gate_up_proj.device == self.shared_expert.down_proj.weight.device
+        # FP8-held experts are not stacked with the shared expert (yet): their scales would have to stack too
+        return (ex.executor is None and ex.fp8_block is None and ex.gate_up_proj.device == self.shared_expert.down_proj.weight.device
                 and self.shared_expert.down_proj.weight.shape == ex.down_proj.shape[1:]
                 and self.gate.bias is None and self.shared_expert_gate.bias is None)
 

@@ -1,0 +1,147 @@
+"""FP8 weights kept in the layers (FREETOKEN_FP8_KEEP=1: the CUDA default, here on CPU through the Triton
+interpreter's FP8 kernels in fp32) against the same checkpoint dequantized at load (the CPU default): the math is
+the same dequantized weight, so logits agree to fp32 rounding and greedy tokens are equal. Tiny Qwen3 dense (every
+fused segment on whole 128-row blocks) and Qwen3-MoE, page sizes 1 and 4; on CUDA (bf16) the same comparison, and
+load_format="dummy" with quantization="fp8" (the benchmark's random FP8 shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fp8_checkpoints import write_fp8_pair
+from harness import ModelHarness
+from moe_checkpoints import make_tiny_moe
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.env import kernel_env
+from freetoken_core.kernels.fp8_ref import FP8_DTYPE
+from freetoken_core.layers.fp8 import Fp8Held
+from freetoken_core.models import load_model
+from tests.conftest import make_tiny_model
+
+# q 256 | k 128 | v 128 and gate 512 | up 512: every segment starts on a 128-row scale block
+DENSE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             num_hidden_layers=2)
+MOE = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=256, decoder_sparse_step=2,
+           mlp_only_layers=[0], num_hidden_layers=2, norm_topk_prob=True)
+PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 41))]  # 5 and 21 rows: the rows GEMM and the GEMM
+MAX_NEW = 4
+CUDA = torch.cuda.is_available()
+
+
+def set_keep(monkeypatch, value: str) -> None:
+    monkeypatch.setenv("FREETOKEN_FP8_KEEP", value)
+    kernel_env.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_env():
+    yield
+    kernel_env.cache_clear()
+
+
+def held_layers(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, Fp8Held) and m.fp8_block is not None]
+
+
+def load_both(monkeypatch, path, dtype, device):
+    models = []
+    for keep in ("1", "0"):
+        set_keep(monkeypatch, keep)
+        models.append(load_model(str(path), dtype, device, progress=False))
+    return models
+
+
+def prefill_and_decode_logits(model, prompt: list[int]) -> torch.Tensor:
+    """Prefill logits of the whole prompt, then one decode row (the one-row GEMVs)."""
+    h = ModelHarness(model)
+    rid = h.add_request(prompt)
+    first = h.logits([rid], [prompt])
+    nxt = int(first[-1].argmax())
+    return torch.cat([first[-1:], h.logits([rid], [[nxt]])[-1:]])
+
+
+def greedy(monkeypatch, path, keep: str, dtype: str, page_size: int) -> list[list[int]]:
+    set_keep(monkeypatch, keep)
+    llm = LLM(path, dtype=dtype, page_size=page_size, max_running_req=2, num_pages=64, cuda_graph=False)
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+
+
+def check_kept_matches_dequantized(monkeypatch, path, expect_held: set[str], device: str, dtype: torch.dtype,
+                                   tol: float) -> None:
+    kept, dense = load_both(monkeypatch, path, dtype, device)
+    assert expect_held <= set(held_layers(kept)), held_layers(kept)
+    assert not held_layers(dense)
+    for name in expect_held:
+        mod = kept.get_submodule(name)
+        assert all(v.dtype == FP8_DTYPE and s.dtype == torch.float32 for v, s in mod.fp8_tensors())
+    for prompt in PROMPTS:
+        a, b = (prefill_and_decode_logits(m, prompt).float() for m in (kept, dense))
+        assert (a - b).abs().max() <= tol * b.abs().max(), (prompt, (a - b).abs().max(), b.abs().max())
+
+
+DENSE_HELD = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_up_proj",
+              "model.layers.1.mlp.down_proj"}
+MOE_HELD = {"model.layers.1.mlp.experts", "model.layers.0.mlp.gate_up_proj", "model.layers.1.self_attn.o_proj"}
+
+
+def test_qwen3_dense_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
+    fp8, _ = write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **DENSE))
+    check_kept_matches_dequantized(monkeypatch, fp8, DENSE_HELD, "cpu", torch.float32, 1e-4)
+    for page_size in (1, 4):
+        assert greedy(monkeypatch, fp8, "1", "float32", page_size) == greedy(monkeypatch, fp8, "0", "float32",
+                                                                             page_size)
+
+
+def test_qwen3_moe_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
+    fp8, _ = write_fp8_pair(make_tiny_moe(tmp_path, "per_expert", **MOE))
+    check_kept_matches_dequantized(monkeypatch, fp8, MOE_HELD, "cpu", torch.float32, 1e-4)
+    for page_size in (1, 4):
+        assert greedy(monkeypatch, fp8, "1", "float32", page_size) == greedy(monkeypatch, fp8, "0", "float32",
+                                                                             page_size)
+
+
+def test_segment_inside_a_block_dequantizes_that_layer(tmp_path, monkeypatch):
+    """k/v of 64 rows: the fused QKV's k starts inside a 128-row block: that layer alone stays dense."""
+    fp8, _ = write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **{**DENSE, "num_key_value_heads": 1}))
+    set_keep(monkeypatch, "1")
+    model = load_model(str(fp8), torch.float32, "cpu", progress=False)
+    held = set(held_layers(model))
+    assert "model.layers.0.self_attn.qkv_proj" not in held and "model.layers.0.self_attn.o_proj" in held
+    assert model.get_submodule("model.layers.0.self_attn.qkv_proj").weight.dtype == torch.float32
+
+
+def test_dummy_fp8_weights_are_fp8_with_realistic_scales(tmp_path, monkeypatch):
+    plain = make_tiny_moe(tmp_path, "per_expert", **MOE)
+    set_keep(monkeypatch, "1")
+    model = load_model(str(plain), torch.float32, "cpu", progress=False, load_format="dummy", quantization="fp8")
+    experts = model.get_submodule("model.layers.1.mlp.experts")
+    values, scale = experts.fp8_tensors()[0]
+    assert values.dtype == FP8_DTYPE and values.float().abs().max() == 448  # each block's amax maps to e4m3's max
+    # N(0, 0.02) blocks of 128 x 128: amax ~4.5 sigma, scale ~2e-4
+    assert 1e-4 < scale.median() < 4e-4
+    assert model.get_submodule("model.layers.1.mlp.gate").weight.dtype == torch.float32  # the router stays plain
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_cuda_fp8_kept_matches_dequantized_bf16(tmp_path, monkeypatch, kind):
+    if kind == "dense":
+        fp8, _ = write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **DENSE))
+        held = DENSE_HELD
+    else:
+        fp8, _ = write_fp8_pair(make_tiny_moe(tmp_path, "per_expert", **MOE))
+        held = MOE_HELD
+    # bf16 activations: both paths round each projection's output to bf16, in different summation orders
+    check_kept_matches_dequantized(monkeypatch, fp8, held, "cuda", torch.bfloat16, 3e-2)
+    for page_size in (1, 4):
+        set_keep(monkeypatch, "auto")
+        llm = LLM(fp8, dtype="bfloat16", page_size=page_size, max_running_req=2, num_pages=64)
+        assert held_layers(llm.engine.model) if hasattr(llm, "engine") else True
+        kept = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        del llm
+        set_keep(monkeypatch, "0")
+        llm = LLM(fp8, dtype="bfloat16", page_size=page_size, max_running_req=2, num_pages=64)
+        dense = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        # first tokens agree; later ones may part where two logits are within bf16 rounding
+        assert [t[0] for t in kept] == [t[0] for t in dense]
