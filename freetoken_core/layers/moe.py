@@ -83,6 +83,7 @@ class StackedExperts(Fp8Held, nn.Module):
         # (w13, w2) with one more expert stacked after the E routed ones (the parameters are views of
         # them): a shared expert fused into the routed ones (SharedExpertMoeBlock.fuse_shared_expert)
         self.stack_with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scales_with_shared: tuple[torch.Tensor, torch.Tensor] | None = None  # their block scales (FP8 held)
 
     fp8_names = ("gate_up_proj", "down_proj")
 
@@ -94,10 +95,7 @@ class StackedExperts(Fp8Held, nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
         if self.fp8_block is not None:  # resident FP8 experts (offloaded ones dequantize at load)
-            from ..kernels.fp8_moe import fp8_fused_moe  # Triton: on CPU only where FP8 is kept (interpreter)
-
-            return all_reduce(fp8_fused_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
-                                            self.down_proj_scale_inv, topk_weights, topk_ids, block=self.fp8_block))
+            return all_reduce(self._fp8_experts(x, topk_weights, topk_ids))
         if self.executor is not None:
             return self.executor.forward(x, topk_weights, topk_ids)
         if self.stack_with_shared is not None:  # the routes end with the shared expert, stacked last
@@ -107,6 +105,16 @@ class StackedExperts(Fp8Held, nn.Module):
             shared_last = not kernel_env().router_topk_fused
             return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids, shared_last=shared_last))
         return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
+
+    def _fp8_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from ..kernels.fp8_moe import fp8_fused_moe  # Triton: on CPU only where FP8 is kept (interpreter)
+
+        if self.stack_with_shared is not None:  # as in forward: the routes end with the stacked shared expert
+            (w13, w2), (s13, s2) = self.stack_with_shared, self.scales_with_shared
+            return fp8_fused_moe(x, w13, s13, w2, s2, topk_weights, topk_ids, block=self.fp8_block,
+                                 shared_last=not kernel_env().router_topk_fused)
+        return fp8_fused_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                             self.down_proj_scale_inv, topk_weights, topk_ids, block=self.fp8_block)
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:

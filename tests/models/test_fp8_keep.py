@@ -137,7 +137,7 @@ def test_cuda_fp8_kept_matches_dequantized_bf16(tmp_path, monkeypatch, kind):
     for page_size in (1, 4):
         set_keep(monkeypatch, "auto")
         llm = LLM(fp8, dtype="bfloat16", page_size=page_size, max_running_req=2, num_pages=64)
-        assert held_layers(llm.engine.model) if hasattr(llm, "engine") else True
+        assert held <= set(held_layers(llm.scheduler.engine.model))  # CUDA keeps FP8 by default
         kept = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
         del llm
         set_keep(monkeypatch, "0")
@@ -145,3 +145,38 @@ def test_cuda_fp8_kept_matches_dequantized_bf16(tmp_path, monkeypatch, kind):
         dense = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
         # first tokens agree; later ones may part where two logits are within bf16 rounding
         assert [t[0] for t in kept] == [t[0] for t in dense]
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_fp8_shared_expert_stacks_with_fp8_experts(tokens):
+    """An FP8-held shared expert stacked into FP8-held routed experts (values and scales): the same layer as the
+    unstacked FP8 one and as its dequantized weights."""
+    from freetoken_core.layers.fp8 import Fp8BlockWeight
+    from freetoken_core.models.qwen3_next import SharedExpertMoeBlock
+
+    h, e, inter = 128, 4, 128
+    torch.manual_seed(0)
+    block = SharedExpertMoeBlock(h, e, 2, inter, True, inter, torch.float32).eval()
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_(torch.randn(p.shape) * (3.0 / h ** 0.5 if name.startswith("gate.") else p.shape[-1] ** -0.5))
+        held = [block.experts, block.shared_expert.gate_up_proj, block.shared_expert.down_proj]
+        for module in held:  # quantize, dequantize into the dense reference, then hold the FP8 form
+            for name in module.fp8_names:
+                q = Fp8BlockWeight.quantize(getattr(module, name).data)
+                getattr(module, name).copy_(q.dequantize(torch.float32))
+        x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(tokens))
+        dense = block(x)
+        for module in held:
+            weights = [Fp8BlockWeight.quantize(getattr(module, n).data) for n in module.fp8_names]
+            assert module.hold_fp8((128, 128))
+            for (values, scale), q in zip(module.fp8_tensors(), weights):
+                values.copy_(q.weight)
+                scale.copy_(q.scale_inv)
+        unstacked = block(x)
+        assert block.fuse_shared_expert()
+        s13, s2 = block.experts.scales_with_shared
+        assert s13.shape == (e + 1, 2, 1) and block.shared_expert.down_proj.weight_scale_inv.data_ptr() == s2[e].data_ptr()
+        stacked = block(x)
+    torch.testing.assert_close(unstacked, dense, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(stacked, unstacked, rtol=1e-4, atol=1e-4)
