@@ -180,3 +180,23 @@ def test_fp8_shared_expert_stacks_with_fp8_experts(tokens):
         stacked = block(x)
     torch.testing.assert_close(unstacked, dense, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(stacked, unstacked, rtol=1e-4, atol=1e-4)
+
+
+def test_hybrid_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
+    """Qwen3.5-MoE wrapper layout: GDN out_proj, gated-attention o_proj, FP8 experts and shared expert kept (GDN
+    in_proj dequantized: its per-key-head layout mixes FP8 and plain rows)."""
+    from hybrid_checkpoints import make_tiny_hybrid
+
+    fp8, _ = write_fp8_pair(make_tiny_hybrid(tmp_path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128,
+                                             shared_expert_intermediate_size=128))
+    set_keep(monkeypatch, "1")
+    llm = LLM(fp8, dtype="float32", page_size=4, max_running_req=2, num_pages=64)
+    held = set(held_layers(llm.scheduler.engine.model))
+    assert {"model.layers.0.linear_attn.out_proj", "model.layers.2.self_attn.o_proj", "model.layers.1.mlp.experts",
+            "model.layers.1.mlp.shared_expert.gate_up_proj"} <= held
+    assert "model.layers.0.linear_attn.in_proj" not in held
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    kept = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    set_keep(monkeypatch, "0")
+    llm = LLM(fp8, dtype="float32", page_size=4, max_running_req=2, num_pages=64)
+    assert kept == [o.token_ids for o in llm.generate(PROMPTS, params)]
