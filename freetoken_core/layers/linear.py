@@ -104,6 +104,8 @@ class Linear(Fp8Held, nn.Module):
             from ..kernels.fp8_gemm import fp8_linear  # Triton: on CPU only where FP8 is kept (under the interpreter)
 
             rows = x.reshape(-1, x.shape[-1])
+            if rows.stride(-1) != 1:  # the kernels read unit-stride rows (F.linear took any layout)
+                rows = rows.contiguous()
             y = fp8_linear(rows, self.weight, self.weight_scale_inv, bias, self.fp8_block)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.packed is not None and x.device.type == "cpu":
