@@ -1,8 +1,9 @@
 """FP8 weights kept in the layers (FREETOKEN_FP8_KEEP=1: the CUDA default, here on CPU through the Triton
 interpreter's FP8 kernels in fp32) against the same checkpoint dequantized at load (the CPU default): the math is
 the same dequantized weight, so logits agree to fp32 rounding and greedy tokens are equal. Tiny Qwen3 dense (every
-fused segment on whole 128-row blocks) and Qwen3-MoE, page sizes 1 and 4; on CUDA (bf16) the same comparison, and
-load_format="dummy" with quantization="fp8" (the benchmark's random FP8 shapes)."""
+fused segment on whole 128-row blocks), Qwen3-MoE and the Qwen3.5-MoE wrapper, page sizes 1 and 4; on CUDA (bf16)
+the same comparison (CUDA graphs, n-gram verify steps); load_format="dummy" with quantization="fp8" (the
+benchmark's random FP8 shapes); a fused segment inside a block; the FP8 shared expert stacked with FP8 experts."""
 
 from __future__ import annotations
 
@@ -123,28 +124,47 @@ def test_dummy_fp8_weights_are_fp8_with_realistic_scales(tmp_path, monkeypatch):
     assert model.get_submodule("model.layers.1.mlp.gate").weight.dtype == torch.float32  # the router stays plain
 
 
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_cuda_fp8_kept_matches_dequantized_bf16(tmp_path, monkeypatch, kind):
+HYBRID_HELD = {"model.layers.0.linear_attn.out_proj", "model.layers.2.self_attn.o_proj", "model.layers.1.mlp.experts",
+               "model.layers.1.mlp.shared_expert.gate_up_proj"}
+
+
+def tiny_fp8_checkpoint(tmp_path, kind: str):
+    """(FP8 checkpoint, the layers that keep FP8) of a tiny Qwen3 dense, Qwen3-MoE or Qwen3.5-MoE (wrapper layout)."""
     if kind == "dense":
-        fp8, _ = write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **DENSE))
-        held = DENSE_HELD
-    else:
-        fp8, _ = write_fp8_pair(make_tiny_moe(tmp_path, "per_expert", **MOE))
-        held = MOE_HELD
-    # bf16 activations: both paths round each projection's output to bf16, in different summation orders
-    check_kept_matches_dequantized(monkeypatch, fp8, held, "cuda", torch.bfloat16, 3e-2)
-    for page_size in (1, 4):
+        return write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **DENSE))[0], DENSE_HELD
+    if kind == "moe":
+        return write_fp8_pair(make_tiny_moe(tmp_path, "per_expert", **MOE))[0], MOE_HELD
+    from hybrid_checkpoints import make_tiny_hybrid
+
+    plain = make_tiny_hybrid(tmp_path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128,
+                             shared_expert_intermediate_size=128)
+    return write_fp8_pair(plain)[0], HYBRID_HELD
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["dense", "moe", "hybrid"])
+def test_cuda_fp8_kept_matches_dequantized_bf16(tmp_path, monkeypatch, kind):
+    fp8, held = tiny_fp8_checkpoint(tmp_path, kind)
+    if kind != "hybrid":  # the harness runs attention-only models
+        # bf16 activations: both paths round each projection's output to bf16, in different summation orders
+        check_kept_matches_dequantized(monkeypatch, fp8, held, "cuda", torch.bfloat16, 3e-2)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    for page_size, spec in ((1, None), (4, "ngram")):  # as served: CUDA graphs, PDL, fused one-row launches, verify
+        engine = dict(dtype="bfloat16", page_size=page_size, max_running_req=2, num_pages=64, speculative=spec,
+                      num_speculative_tokens=3)
         set_keep(monkeypatch, "auto")
-        llm = LLM(fp8, dtype="bfloat16", page_size=page_size, max_running_req=2, num_pages=64)
+        llm = LLM(fp8, **engine)
         assert held <= set(held_layers(llm.scheduler.engine.model))  # CUDA keeps FP8 by default
-        kept = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        assert llm.scheduler.engine.graph_runner is not None
+        kept = [o.token_ids for o in llm.generate(PROMPTS, params)]
         del llm
         set_keep(monkeypatch, "0")
-        llm = LLM(fp8, dtype="bfloat16", page_size=page_size, max_running_req=2, num_pages=64)
-        dense = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
+        llm = LLM(fp8, **engine)
+        assert not held_layers(llm.scheduler.engine.model)
+        dense = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        del llm
         # first tokens agree; later ones may part where two logits are within bf16 rounding
-        assert [t[0] for t in kept] == [t[0] for t in dense]
+        assert [t[0] for t in kept] == [t[0] for t in dense], (page_size, kept, dense)
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -185,16 +205,11 @@ def test_fp8_shared_expert_stacks_with_fp8_experts(tokens):
 def test_hybrid_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
     """Qwen3.5-MoE wrapper layout: GDN out_proj, gated-attention o_proj, FP8 experts and shared expert kept (GDN
     in_proj dequantized: its per-key-head layout mixes FP8 and plain rows)."""
-    from hybrid_checkpoints import make_tiny_hybrid
-
-    fp8, _ = write_fp8_pair(make_tiny_hybrid(tmp_path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128,
-                                             shared_expert_intermediate_size=128))
+    fp8, held = tiny_fp8_checkpoint(tmp_path, "hybrid")
     set_keep(monkeypatch, "1")
     llm = LLM(fp8, dtype="float32", page_size=4, max_running_req=2, num_pages=64)
-    held = set(held_layers(llm.scheduler.engine.model))
-    assert {"model.layers.0.linear_attn.out_proj", "model.layers.2.self_attn.o_proj", "model.layers.1.mlp.experts",
-            "model.layers.1.mlp.shared_expert.gate_up_proj"} <= held
-    assert "model.layers.0.linear_attn.in_proj" not in held
+    assert held <= set(held_layers(llm.scheduler.engine.model))
+    assert "model.layers.0.linear_attn.in_proj" not in held_layers(llm.scheduler.engine.model)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     kept = [o.token_ids for o in llm.generate(PROMPTS, params)]
     set_keep(monkeypatch, "0")
