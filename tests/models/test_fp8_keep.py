@@ -196,7 +196,8 @@ def test_fp8_shared_expert_stacks_with_fp8_experts(tokens):
         unstacked = block(x)
         assert block.fuse_shared_expert()
         s13, s2 = block.experts.scales_with_shared
-        assert s13.shape == (e + 1, 2, 1) and block.shared_expert.down_proj.weight_scale_inv.data_ptr() == s2[e].data_ptr()
+        assert s13.shape == (e + 1, 2, 1)
+        assert block.shared_expert.down_proj.weight_scale_inv.data_ptr() == s2[e].data_ptr()  # views, no copy
         stacked = block(x)
     torch.testing.assert_close(unstacked, dense, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(stacked, unstacked, rtol=1e-4, atol=1e-4)
