@@ -1,7 +1,7 @@
 """GPU decode/prefill benchmark against the HBM floor (random weights of real model shapes).
 
     python benchmarks/bench_decode.py [--shapes llama-3.2-1b,llama-3-8b,qwen3-8b] [--bs 1,8,32,64,128]
-                                      [--prompts 128,1024] [--out-tokens 256] [--model DIR] [--hf]
+                                      [--prompts 128,1024] [--out-tokens 256] [--model DIR] [--hf] [--quant fp8]
 
 Per row: tok/s, ms per decode step, and the fraction of the floor, where the floor of one step is
 (weight bytes read + KV bytes read) / device copy bandwidth measured in this run. On MoE shapes the
@@ -119,23 +119,27 @@ def weight_bytes_per_step(model: torch.nn.Module, distinct_experts: float | None
     Dense weights: all but the input embedding table (only a few rows of it are read), unless it is
     tied to the LM head. Experts: `distinct_experts` per MoE layer (the mean number the step's
     router touched; None counts every expert) for the bytes, top-k per token for the params."""
-    dense, embed = 0, 0
-    for name, p in model.named_parameters():
+    dense, embed, params = 0, 0, 0
+    # FP8-held layers (--quant fp8): e4m3 values plus their block scales (fp32 buffers), read every step too
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("_scale_inv"))]
+    for name, p in tensors:
         if ".experts." in name:
             continue
         b = p.numel() * p.element_size()
         dense += b
         if "embed_tokens" in name:
             embed += b
+        elif not name.endswith("_scale_inv"):
+            params += p.numel()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     read = dense if tied else dense - embed
-    params = read // 2
     for block in moe_blocks(model):
         ex = block.experts
-        per_expert = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
+        stacks = [ex.gate_up_proj, ex.down_proj] + [s for _, s in ex.fp8_tensors()]
+        per_expert_bytes = sum(t[0].numel() * t.element_size() for t in stacks)
         n = ex.num_experts if distinct_experts is None else distinct_experts
-        read += int(n * per_expert * ex.gate_up_proj.element_size())
-        params += block.top_k * per_expert
+        read += int(n * per_expert_bytes)
+        params += block.top_k * (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel())
     return read, params
 
 
@@ -239,7 +243,7 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
         max_running_req=max_bs, page_size=args.page_size, max_seq_len=max(max(args.prompts) + args.out_tokens + 16, args.prefill + 16),
         max_extend_tokens=max(args.prefill, 8192), load_format="dummy" if dummy else "auto",
         memory_fraction=0.8, cuda_graph=not args.no_graph, tensor_parallel_size=args.tp,
-        linear_state_dtype=args.linear_state_dtype,
+        linear_state_dtype=args.linear_state_dtype, quantization=args.quant,
     )
     t0 = time.perf_counter()
     sched = Scheduler(cfg)  # shape dirs hold only config.json: token ids in, token ids out
@@ -303,6 +307,9 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (ranks on GPUs 0..tp-1)")
+    ap.add_argument("--quant", default=None, choices=["fp8"],
+                    help="block-FP8 weights (128 x 128 blocks): random FP8 values and scales of a quantized N(0, 0.02) "
+                         "weight on the shapes, a real --model quantized at load; kept FP8 on the GPU")
     ap.add_argument("--hf", action="store_true")
     ap.add_argument("--hf-tokens", type=int, default=64)
     ap.add_argument("--linear-state-dtype", default="float32", choices=["float32", "bfloat16"],
@@ -313,12 +320,13 @@ def main() -> None:
     dev = torch.device("cuda")
     bw, mm = copy_bandwidth(dev), matmul_rate(dev)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    suffix = f" ({args.quant})" if args.quant else ""
     if args.model:
-        bench_model(Path(args.model).name, Path(args.model), False, args, bw, mm)
+        bench_model(Path(args.model).name + suffix, Path(args.model), False, args, bw, mm)
         return
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes.split(","):
-            bench_model(name, write_shape(name, Path(tmp)), True, args, bw, mm)
+            bench_model(name + suffix, write_shape(name, Path(tmp)), True, args, bw, mm)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ class KernelEnv:
     rotary_store_kv: bool = True
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
+    # FREETOKEN_FP8_KEEP: block-FP8 weights stay FP8 in the layers (values + scale_inv, run by kernels/fp8_*.py)
+    # instead of being dequantized at load. auto: on CUDA devices (half the memory and the bytes a step reads);
+    # the CPU reference path dequantizes. 1: everywhere (CPU tests run the FP8 kernels under the interpreter). 0: never
+    fp8_keep: str = "auto"
 
     @staticmethod
     def variable(field_name: str) -> str:
@@ -63,7 +67,19 @@ class KernelEnv:
 
     @classmethod
     def from_environ(cls) -> "KernelEnv":
-        return cls(**{f.name: _flag(cls.variable(f.name), f.default) for f in fields(cls)})
+        return cls(**{f.name: (_choice(cls.variable(f.name), f.default, _CHOICES[f.name]) if f.name in _CHOICES
+                               else _flag(cls.variable(f.name), f.default)) for f in fields(cls)})
+
+
+# The switches that take a word instead of on/off
+_CHOICES = {"fp8_keep": ("auto", "1", "0")}
+
+
+def _choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    raw = (os.environ.get(name) or default).strip().lower()
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
 
 
 @functools.cache

@@ -48,8 +48,14 @@ def residency_plan(config: EngineConfig, hf_config: Any, dtype: torch.dtype, fre
     """Whether the routed experts can stay on a device with `free_bytes` free, and the numbers behind it."""
     from ..layers.moe import StackedExperts
 
+    from ..models.quant import hold_fp8_weights, keeps_fp8, weight_format
+
     model = meta_model(hf_config, dtype)
-    experts = _nbytes(p for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters())
+    fmt = weight_format(hf_config, config.model_path, config.quantization)
+    if keeps_fp8(fmt, "cuda"):  # the layers that will hold FP8 (resident experts too), as load_model makes them
+        hold_fp8_weights(model, fmt)
+    experts = _nbytes(t for m in model.modules() if isinstance(m, StackedExperts)
+                      for t in (*m.parameters(), *m.buffers()))
     dense = _nbytes(model.parameters()) + _nbytes(model.buffers()) - experts
     elem = torch.empty((), dtype=dtype).element_size()
     text = getattr(hf_config, "text_config", None) or hf_config

@@ -27,11 +27,14 @@ from .gemv import ROWS_GEMM_MAX_ROWS, _gemv_in_tile, _w_tile, default_config
 from .norm_gemv import _norm_gemv_tile, norm_gemv_config
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
+from ..env import triton_interpreted
 
 # FP8 tiles per weight shape (N, K), to be set by measurement on the GPU as gemv.GEMV_CONFIGS; shapes not listed
 # take the bf16 kernel's defaults with BLOCK_N fitted to the scale block (`fp8_tile`).
 FP8_GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {}
 FP8_ROWS_GEMM_CONFIG = dict(block_n=16, block_k=128, num_warps=4, num_stages=3)
+# Under the interpreter a program costs its Python overhead whatever its tile: few wide programs (CPU tests)
+_INTERPRETER_ROWS_CONFIG = dict(FP8_ROWS_GEMM_CONFIG, block_n=128)
 
 
 def pow2_divisor(value: int, *others: int) -> int:
@@ -250,7 +253,7 @@ def fp8_rows_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     m, k = x.shape
     n = weight.shape[0]
     assert 1 <= m <= ROWS_GEMM_MAX_ROWS, f"fp8_rows_gemm takes 1..{ROWS_GEMM_MAX_ROWS} rows, got {m}"
-    cfg = FP8_ROWS_GEMM_CONFIG
+    cfg = _INTERPRETER_ROWS_CONFIG if triton_interpreted() else FP8_ROWS_GEMM_CONFIG
     bn = pow2_divisor(block_n or cfg["block_n"], block[0])
     bk = pow2_divisor(block_k or cfg["block_k"], block[1])  # one block of scales a step
     assert bn >= 16 and bk >= 16, f"block {block} leaves tiles under tl.dot's 16"

@@ -59,6 +59,11 @@ class GroupedMergedLinear(MergedLinear):
             raise ValueError(f"segments {out_sizes} do not split into {groups} key-head groups")
         self.groups = groups
 
+    def fp8_refusal(self, block: tuple[int, int]) -> str | None:
+        # the checkpoints interleave segments per key head (slices that cut scale blocks) and mix FP8 q/k/v/z with
+        # the full-precision a/b rows: this projection dequantizes
+        return "a per-key-head grouped projection"
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> list[Any]:
         if isinstance(shard, tuple) and shard and shard[0] == "grouped":  # ("grouped", consecutive segments)
             segs = list(shard[1])
@@ -191,6 +196,12 @@ class GatedDeltaNet(nn.Module):
         if norm_in_out_proj:  # o is the recurrence's un-normed output: the norm runs in out_proj's GEMV
             from ..kernels.gdn_out_gemv import gdn_out_norm_gemv
 
+            proj = self.out_proj
+            if proj.fp8_block is not None:
+                from ..kernels.fp8_gdn_out_gemv import fp8_gdn_out_norm_gemv
+
+                return fp8_gdn_out_norm_gemv(o, z, self.norm.weight, self.norm.eps, proj.weight, proj.weight_scale_inv,
+                                             proj.bias, proj.fp8_block)
             return gdn_out_norm_gemv(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight, self.out_proj.bias)
         return self.out_proj(o.reshape(t, self.value_dim))  # contiguous: a view
 
@@ -209,8 +220,11 @@ class GatedDeltaNet(nn.Module):
             return False
         from ..kernels import gdn, gdn_out_gemv
 
-        return (not gdn.fuses_out_norm(st.slot_ids.shape[0], self.num_v_heads, self.head_v_dim)
-                and gdn_out_gemv.use_gdn_out_norm_gemv(proj, self.out_proj.weight))
+        if gdn.fuses_out_norm(st.slot_ids.shape[0], self.num_v_heads, self.head_v_dim):
+            return False
+        if self.out_proj.fp8_block is not None:  # kernels/fp8_gdn_out_gemv.py takes the row the bf16 kernel would
+            return proj.dtype in (torch.bfloat16, torch.float16)
+        return gdn_out_gemv.use_gdn_out_norm_gemv(proj, self.out_proj.weight)
 
     def _arrivals(self, conv_pool: torch.Tensor) -> torch.Tensor:
         buf = self._conv_arrivals

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
-from .fp8 import Fp8BlockWeight, dense_weight
+from .fp8 import Fp8BlockWeight, Fp8Held, dense_weight
 
 
 # One-row CUDA inputs of weights at least this large go to the Triton GEMV (kernels/gemv.py);
@@ -58,8 +58,9 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b). W is [out, in] like the checkpoint.
+class Linear(Fp8Held, nn.Module):
+    """y = x W^T (+ b). W is [out, in] like the checkpoint; or, holding block FP8 (layers/fp8.py `Fp8Held`), W in
+    float8_e4m3fn with `weight_scale_inv`, multiplied by kernels/fp8_gemm.py `fp8_linear` on any row count.
 
     Tensor parallelism (freetoken_core/parallel.py): `parallel="column"` keeps this rank's rows of
     W (its share of the outputs), `"row"` its columns (its share of the inputs) and sums the partial
@@ -82,6 +83,16 @@ class Linear(nn.Module):
         self.gemv_min_elements = GEMV_MIN_ELEMENTS  # see use_gemv_for_all_sizes
         self.rows_gemm = False  # 2..16 rows on the Triton kernel too (use_gemv_for_all_sizes(rows=True))
 
+    fp8_names = ("weight",)
+
+    def fp8_refusal(self, block: tuple[int, int]) -> str | None:
+        # the kernels read element (r, c) at scale_inv[r // 128, c // 128]: a fused segment that starts inside a
+        # block would share that block's scale with its neighbour (tiny test shapes; every real Qwen3 one aligns)
+        starts = [self.shard_rows(u)[0] for u in self.load_units(self.weight) if u is not None]
+        if any(start % block[0] for start in starts):
+            return f"a fused segment starts inside a {block[0]}-row scale block (rows {starts})"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel == "row":
             y = all_reduce(self._matmul(x, None))
@@ -89,6 +100,14 @@ class Linear(nn.Module):
         return self._matmul(x, self.bias)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.fp8_block is not None:
+            from ..kernels.fp8_gemm import fp8_linear  # Triton: on CPU only where FP8 is kept (under the interpreter)
+
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.stride(-1) != 1:  # the kernels read unit-stride rows (F.linear took any layout)
+                rows = rows.contiguous()
+            y = fp8_linear(rows, self.weight, self.weight_scale_inv, bias, self.fp8_block)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         if self.packed is not None and x.device.type == "cpu":
             return packed_linear(x, self.packed, bias)
         if x.is_cuda:
@@ -118,11 +137,7 @@ class Linear(nn.Module):
         return [None]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | int | None = None) -> None:
-        if shard is None:
-            dst = param.data
-        else:
-            off, size = self.shard_rows(shard)
-            dst = param.data.narrow(0, off, size)
+        off, size = (0, param.shape[0]) if shard is None else self.shard_rows(shard)
         if self.parallel == "row" and param is self.weight:
             loaded = loaded.narrow(1, tp_info().rank * self.in_features, self.in_features)
         elif self.parallel is not None and not (self.parallel == "row" and param is self.bias):
@@ -131,7 +146,14 @@ class Linear(nn.Module):
                 raise ValueError(f"checkpoint tensor shape {tuple(loaded.shape)} does not split into "
                                  f"{tp_info().world_size} shards of {size} rows")
             loaded = loaded.narrow(0, src_off, size)
-        copy_checked(dst, loaded)
+        self.copy_rows(param, off, size, loaded)
+
+    def copy_rows(self, param: nn.Parameter, off: int, size: int, loaded: torch.Tensor | Fp8BlockWeight) -> None:
+        """Output rows [off, off + size) of `param` from a checkpoint tensor, in the format the layer holds."""
+        if param is self.weight:
+            self.copy_weight_rows("weight", None, off, size, loaded)
+        else:
+            copy_checked(param.data.narrow(0, off, size), loaded)
 
 
 class QKVLinear(Linear):
@@ -177,7 +199,7 @@ class QKVLinear(Linear):
             return super().weight_loader(param, loaded, shard)
         off, size = self.shard_rows(shard)
         src_off, _ = self.source_rows(shard)
-        copy_checked(param.data.narrow(0, off, size), loaded.narrow(0, src_off, size))
+        self.copy_rows(param, off, size, loaded.narrow(0, src_off, size))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views (no copies) of the fused output."""

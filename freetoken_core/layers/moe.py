@@ -22,8 +22,8 @@ from torch import nn
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
 from ..kernels.fused_moe_ref import fused_moe_ref, topk_softmax_ref, topk_softmax_shared_ref
-from .fp8 import Fp8BlockWeight
-from .linear import Linear, copy_checked
+from .fp8 import Fp8BlockWeight, Fp8Held
+from .linear import Linear
 from .norm import ZeroCenteredRMSNorm
 from .norm_linear import fuses_norm_gemv_normed, norm_linear_normed
 
@@ -58,8 +58,10 @@ def run_stacked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
-class StackedExperts(nn.Module):
-    """E SwiGLU experts `down(silu(gate x) * up x)` held as [E, ...] weights.
+class StackedExperts(Fp8Held, nn.Module):
+    """E SwiGLU experts `down(silu(gate x) * up x)` held as [E, ...] weights: the compute dtype, or block FP8
+    (layers/fp8.py `Fp8Held`: `gate_up_proj_scale_inv`, `down_proj_scale_inv`; resident experts only) run by
+    kernels/fp8_moe.py `fp8_fused_moe`.
 
     `device` places the weights (the host, for offloaded strategies; default: where the model is
     built). With an `executor` attached (freetoken_core/moe: device slot pools, the CPU executor) the
@@ -81,9 +83,19 @@ class StackedExperts(nn.Module):
         # (w13, w2) with one more expert stacked after the E routed ones (the parameters are views of
         # them): a shared expert fused into the routed ones (SharedExpertMoeBlock.fuse_shared_expert)
         self.stack_with_shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.scales_with_shared: tuple[torch.Tensor, torch.Tensor] | None = None  # their block scales (FP8 held)
+
+    fp8_names = ("gate_up_proj", "down_proj")
+
+    def fp8_refusal(self, block: tuple[int, int]) -> str | None:
+        if self.intermediate_size % block[0]:  # the up rows would start inside a scale block of [gate | up]
+            return f"moe_intermediate_size {self.intermediate_size} is not a multiple of {block[0]}"
+        return None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
+        if self.fp8_block is not None:  # resident FP8 experts (offloaded ones dequantize at load)
+            return all_reduce(self._fp8_experts(x, topk_weights, topk_ids))
         if self.executor is not None:
             return self.executor.forward(x, topk_weights, topk_ids)
         if self.stack_with_shared is not None:  # the routes end with the shared expert, stacked last
@@ -93,6 +105,16 @@ class StackedExperts(nn.Module):
             shared_last = not kernel_env().router_topk_fused
             return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids, shared_last=shared_last))
         return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
+
+    def _fp8_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from ..kernels.fp8_moe import fp8_fused_moe  # Triton: on CPU only where FP8 is kept (interpreter)
+
+        if self.stack_with_shared is not None:  # as in forward: the routes end with the stacked shared expert
+            (w13, w2), (s13, s2) = self.stack_with_shared, self.scales_with_shared
+            return fp8_fused_moe(x, w13, s13, w2, s2, topk_weights, topk_ids, block=self.fp8_block,
+                                 shared_last=not kernel_env().router_topk_fused)
+        return fp8_fused_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
+                             self.down_proj_scale_inv, topk_weights, topk_ids, block=self.fp8_block)
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:
@@ -104,17 +126,18 @@ class StackedExperts(nn.Module):
                       expert: int | None = None) -> list[tuple[int, int | None]]:
         """One expert's gate (shard 0), up (shard 1) or down weight, or (expert None) the whole stack."""
         loaded = self._rank_slice(param, loaded, shard, stacked=expert is None)
+        name = "gate_up_proj" if param is self.gate_up_proj else "down_proj"
         if expert is None:
-            copy_checked(param.data, loaded)
+            self.copy_weight_rows(name, None, 0, param.shape[-2], loaded)
             return self.load_units(param)
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert index {expert} is out of range: the model has {self.num_experts} experts")
-        dst = param.data[expert]
+        start, length = 0, param.shape[-2]
         if param is self.gate_up_proj:
             if shard not in (0, 1):
                 raise ValueError(f"gate_up_proj takes shard 0 (gate) or 1 (up), got {shard!r}")
-            dst = dst.narrow(0, shard * self.intermediate_size, self.intermediate_size)
-        copy_checked(dst, loaded)
+            start, length = shard * self.intermediate_size, self.intermediate_size
+        self.copy_weight_rows(name, expert, start, length, loaded)
         return [(expert, shard if param is self.gate_up_proj else None)]
 
 

@@ -28,6 +28,11 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
     if gated and not (isinstance(linear, MergedLinear) and len(linear.out_sizes) == 2
                       and linear.out_sizes[0] == linear.out_sizes[1]):
         raise ValueError("gated norm_linear needs a [gate | up] MergedLinear of two equal halves")
+    if linear.fp8_block is not None and fuses_fp8_norm_gemv(norm, x, residual, gated):
+        from ..kernels.fp8_gemv import fp8_norm_gemv  # FP8 held: Triton (under the interpreter on CPU)
+
+        return fp8_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale_inv, linear.bias,
+                             zero_centered=type(norm) is ZeroCenteredRMSNorm, block=linear.fp8_block)
     if FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm):  # the two norms the kernel implements
         from ..kernels import gemv as triton_gemv, norm_gemv as triton_norm_gemv  # first CUDA use only
 
@@ -43,6 +48,15 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
         h, residual = norm(x, residual)
     y = linear(h)
     return (silu_and_mul(y) if gated else y), residual
+
+
+def fuses_fp8_norm_gemv(norm: RMSNorm | ZeroCenteredRMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                        gated: bool) -> bool:
+    """One row into an FP8-held projection: the norm runs in `fp8_norm_gemv`'s launch, on any device (the FP8
+    kernels are the only FP8 path; not the gated MLP, as in half precision)."""
+    return (FUSED and not gated and x.dim() == 2 and x.shape[0] == 1 and type(norm) in (RMSNorm, ZeroCenteredRMSNorm)
+            and norm.weight.dtype == x.dtype and x.stride(-1) == 1
+            and (residual is None or residual.stride(-1) == 1))
 
 
 def norm_linear_normed(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Tensor,

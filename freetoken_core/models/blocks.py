@@ -135,6 +135,12 @@ class Attention(nn.Module):
         proj = self.o_proj
         if not kernel_env().attn_gate_gemv or not o.is_cuda or type(proj) is not Linear or proj.parallel is not None:
             return None
+        if proj.fp8_block is not None:  # FP8 held: its GEMV takes the gate the same way
+            if gate.dtype != o.dtype or o.dim() != 2 or o.shape[0] != 1 or o.stride(-1) != 1:
+                return None
+            from ..kernels.fp8_gemv import fp8_gemv
+
+            return fp8_gemv(o, proj.weight, proj.weight_scale_inv, proj.bias, proj.fp8_block, gate=gate)
         from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
 
         if gate.dtype != o.dtype or not triton_gemv.use_gemv(o, proj.weight, proj.gemv_min_elements):

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from .quant import checkpoint_stream, weight_format
+from ..layers.fp8 import Fp8Held, fill_fp8_normal_
+from .quant import checkpoint_stream, hold_fp8_weights, keeps_fp8, weight_format
 from .registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,15 @@ def init_dummy_weights_(model: torch.nn.Module, seed: int = 0) -> None:
     norms 1, biases 0, everything else N(0, 0.02), drawn on the parameters' own device."""
     gen: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
+        fp8_held: set[int] = set()
+        for m in model.modules():  # FP8-held layers: a quantized N(0, 0.02) weight, values and block scales
+            for values, scale in m.fp8_tensors() if isinstance(m, Fp8Held) else []:
+                fill_fp8_normal_(values, scale, m.fp8_block, 0.02,
+                                 gen.setdefault(values.device, torch.Generator(device=values.device).manual_seed(seed)))
+                fp8_held.add(id(values))
         for name, p in model.named_parameters():
+            if id(p) in fp8_held:
+                continue
             if "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):
@@ -129,7 +138,8 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights.
     expert_device: MoE models keep their routed experts there (the host, for offloaded strategies).
     quantization: None (the checkpoint's own quantization_config) or "fp8" (block-quantize an unquantized one);
-    block-FP8 weights reach the parameters in the format they hold (layers/fp8.py `dense_weight`)."""
+    block-FP8 weights stay FP8 in the layers that can run them where `keeps_fp8` says so (CUDA), else dequantize
+    (layers/fp8.py); with load_format "dummy" such layers get random FP8 values and block scales directly."""
     path = check_model_path(model_path)
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
@@ -139,6 +149,9 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     t0 = time.perf_counter()
     with torch.device(device):
         model = cls(config, dtype, expert_device=expert_device) if expert_device is not None else cls(config, dtype)
+    held = 0
+    if keeps_fp8(fmt, device):  # FP8 weights stay FP8 (offloaded experts dequantize: their host banks are dense)
+        held, _ = hold_fp8_weights(model, fmt, experts=expert_device is None or torch.device(expert_device) == device)
     if load_format == "dummy":
         init_dummy_weights_(model)
     elif load_format == "auto":
@@ -149,6 +162,8 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     if device.type == "cpu":
         pack_cpu_weights(model)
     logger.info("loaded %s (%s, %s%s) from %s in %.1f s", cls.__name__, dtype, device,
-                "" if fmt is None else f", block-FP8 {list(fmt.block)} weights dequantized at load", path,
+                "" if fmt is None else f", block-FP8 {list(fmt.block)} weights: "
+                f"{sum(isinstance(m, Fp8Held) and m.fp8_block is not None for m in model.modules())} of {held} "
+                f"layers chosen kept in FP8, the rest dequantized at load", path,
                 time.perf_counter() - t0)
     return model

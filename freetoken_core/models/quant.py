@@ -10,13 +10,18 @@ before any tensor is read.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch import nn
 
+from ..env import kernel_env
 from ..kernels.fp8_ref import DEFAULT_BLOCK, FP8_DTYPE
-from ..layers.fp8 import Fp8BlockFormat, Fp8BlockWeight
+from ..layers.fp8 import Fp8BlockFormat, Fp8BlockWeight, Fp8Held
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED = ('block FP8 (config.json quantization_config quant_method "fp8" with weight_block_size [128, 128] and '
              'activation_scheme "dynamic", or EngineConfig.quantization="fp8" on an unquantized checkpoint)')
@@ -124,3 +129,35 @@ def checkpoint_stream(weights: Iterable[tuple[str, torch.Tensor]], config: Any, 
     if quantization_method(config) == "fp8":
         return paired_fp8_tensors(weights, fmt)
     return quantized_tensors(weights, fmt)
+
+
+def keeps_fp8(fmt: Fp8BlockFormat | None, device: torch.device | str) -> bool:
+    """Whether FP8 weights stay FP8 in the layers on `device` (FREETOKEN_FP8_KEEP: auto = CUDA only)."""
+    mode = kernel_env().fp8_keep
+    return fmt is not None and (mode == "1" or (mode == "auto" and torch.device(device).type == "cuda"))
+
+
+def hold_fp8_weights(model: nn.Module, fmt: Fp8BlockFormat, experts: bool = True) -> tuple[int, int]:
+    """Switch every layer that can hold block-FP8 weights to FP8 storage before loading: the projections the FP8
+    releases quantize (not the router, the shared-expert gate, ... `_FULL_PRECISION`), and the routed experts when
+    `experts` (resident: offloaded ones dequantize at load). A checkpoint tensor that then arrives plain turns its
+    layer back (`Fp8Held.drop_fp8`). Returns (layers held in FP8, layers left dense that could not hold them: each
+    named once in the log)."""
+    from ..layers.moe import StackedExperts
+
+    held = 0
+    refused: dict[str, list[str]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Fp8Held) or _FULL_PRECISION.search(name + ".") is not None:
+            continue
+        if isinstance(module, StackedExperts) and not experts:
+            continue
+        reason = module.fp8_refusal(fmt.block)
+        if reason is None and module.hold_fp8(fmt.block):
+            held += 1
+        else:
+            refused.setdefault(str(reason), []).append(name)
+    for reason, names in refused.items():  # once per reason, not per layer
+        logger.info("%d layer(s) keep their weights dequantized (%s): %s%s", len(names), reason,
+                    ", ".join(names[:3]), " ..." if len(names) > 3 else "")
+    return held, sum(len(n) for n in refused.values())

@@ -72,7 +72,10 @@ class SharedExpertMoeBlock(SparseMoeBlock):
 
     def can_fuse_shared_expert(self) -> bool:
         ex = self.experts
-        return (ex.executor is None and ex.gate_up_proj.device == self.shared_expert.down_proj.weight.device
+        sh = self.shared_expert
+        # FP8-held experts stack with an FP8-held shared expert of the same blocks (their scales stack too)
+        return (ex.executor is None and ex.fp8_block == sh.gate_up_proj.fp8_block == sh.down_proj.fp8_block
+                and ex.gate_up_proj.device == self.shared_expert.down_proj.weight.device
                 and self.shared_expert.down_proj.weight.shape == ex.down_proj.shape[1:]
                 and self.gate.bias is None and self.shared_expert_gate.bias is None)
 
@@ -89,6 +92,12 @@ class SharedExpertMoeBlock(SparseMoeBlock):
             w13 = torch.cat([ex.gate_up_proj.data, sh.gate_up_proj.weight.data[None]])
             w2 = torch.cat([ex.down_proj.data, sh.down_proj.weight.data[None]])
             router = torch.cat([self.gate.weight.data, self.shared_expert_gate.weight.data])
+            if ex.fp8_block is not None:
+                s13 = torch.cat([ex.gate_up_proj_scale_inv, sh.gate_up_proj.weight_scale_inv[None]])
+                s2 = torch.cat([ex.down_proj_scale_inv, sh.down_proj.weight_scale_inv[None]])
+                ex.gate_up_proj_scale_inv, sh.gate_up_proj.weight_scale_inv = s13[:e], s13[e]
+                ex.down_proj_scale_inv, sh.down_proj.weight_scale_inv = s2[:e], s2[e]
+                ex.scales_with_shared = (s13, s2)
         # the parameters become views of the stacks: no second copy of any weight
         ex.gate_up_proj, sh.gate_up_proj.weight = nn.Parameter(w13[:e], False), nn.Parameter(w13[e], False)
         ex.down_proj, sh.down_proj.weight = nn.Parameter(w2[:e], False), nn.Parameter(w2[e], False)

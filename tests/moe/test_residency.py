@@ -77,3 +77,22 @@ def test_a_hybrid_counts_its_linear_state_in_the_reserve():
     per_slot = 30 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # conv (bf16) + fp32 recurrent state
     assert plan.kv_reserve_bytes == kv_only + 33 * per_slot
     assert plan.resident, plan.describe()
+
+
+def test_fp8_counts_fp8_bytes_and_scales(monkeypatch):
+    """quantization="fp8" on CUDA (FREETOKEN_FP8_KEEP=auto): experts and projections counted as e4m3 values plus
+    fp32 block scales, the router, embeddings, LM head and norms in bf16."""
+    from freetoken_core.env import kernel_env
+
+    monkeypatch.delenv("FREETOKEN_FP8_KEEP", raising=False)
+    kernel_env.cache_clear()
+    cfg = qwen3_30b_a3b_config()
+    bf16 = residency_plan(EngineConfig("unused"), cfg, torch.bfloat16, H100_FREE)
+    fp8 = residency_plan(EngineConfig("unused", quantization="fp8"), cfg, torch.bfloat16, H100_FREE)
+    # per expert: gate|up [1536, 2048] and down [2048, 768] in bytes, scales [12, 16] and [16, 6] in fp32
+    assert fp8.expert_bytes == 48 * 128 * (3 * 2048 * 768 + (12 * 16 + 16 * 6) * 4)  # 29.0 GB
+    # attention: qkv [5120, 2048] and o [2048, 4096] per layer, half their bf16 bytes plus scales
+    attn_bf16 = 48 * (5120 * 2048 + 2048 * 4096) * 2
+    attn_fp8 = 48 * ((5120 * 2048 + 2048 * 4096) + (40 * 16 + 16 * 32) * 4)
+    assert bf16.dense_bytes - fp8.dense_bytes == attn_bf16 - attn_fp8
+    kernel_env.cache_clear()
