@@ -8,7 +8,7 @@
 #                                             batch-1 decode (prompt 16, page size 1, 256 tokens) with --quant fp8,
 #                                             then the bf16 baseline on the same card
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 FREETOKEN_FP8_KEEP=auto
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-tests}" in
   tests)

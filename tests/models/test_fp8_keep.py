@@ -1,4 +1,4 @@
-"""FP8 weights kept in the layers (FREETOKEN_FP8_KEEP=1: the CUDA default, here on CPU through the Triton
+"""FP8 weights kept in the layers (FREETOKEN_FP8_KEEP=1; on CPU through the Triton
 interpreter's FP8 kernels in fp32) against the same checkpoint dequantized at load (the CPU default): the math is
 the same dequantized weight, so logits agree to fp32 rounding and greedy tokens are equal. Tiny Qwen3 dense (every
 fused segment on whole 128-row blocks), Qwen3-MoE and the Qwen3.5-MoE wrapper, page sizes 1 and 4; on CUDA (bf16)

@@ -84,7 +84,7 @@ def test_fp8_counts_fp8_bytes_and_scales(monkeypatch):
     fp32 block scales, the router, embeddings, LM head and norms in bf16."""
     from freetoken_core.env import kernel_env
 
-    monkeypatch.delenv("FREETOKEN_FP8_KEEP", raising=False)
+    monkeypatch.setenv("FREETOKEN_FP8_KEEP", "auto")
     kernel_env.cache_clear()
     cfg = qwen3_30b_a3b_config()
     bf16 = residency_plan(EngineConfig("unused"), cfg, torch.bfloat16, H100_FREE)
