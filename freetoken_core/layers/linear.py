@@ -7,6 +7,8 @@ checkpoint tensor into its rows of the fused weight.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -38,7 +40,14 @@ def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     CPU reads every weight once per step, so this is the decode speed."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_packing_available():
         return None
+    if weight.dtype == torch.bfloat16 and not _mkldnn_bf16():  # oneDNN's bf16 path needs avx512 or avx_ne_convert
+        return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=8)
+
+
+@functools.cache
+def _mkldnn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
