@@ -78,7 +78,7 @@ class Engine:
         self.moe_strategy = self._moe_strategy()
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
                                 expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None,
-                                quantization=config.quantization)
+                                quantization=config.quantization, fp8_host_experts=self.moe_strategy == "offload")
         self.moe_executors = self._place_experts()
         self._fuse_shared_experts()
         if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain

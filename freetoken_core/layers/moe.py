@@ -48,9 +48,16 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def run_stacked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, shared_last: bool = False) -> torch.Tensor:
+                        topk_ids: torch.Tensor, shared_last: bool = False,
+                        fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> torch.Tensor:
     """sum over k of weight * expert(x) for stacked weights on x's device (all experts, or a slot pool).
-    shared_last: each token's last route is the shared expert stacked last in w13/w2 (a speed hint)."""
+    shared_last: each token's last route is the shared expert stacked last in w13/w2 (a speed hint).
+    fp8: (scale_inv of w13, of w2, block) when w13/w2 hold block-FP8 values (kernels/fp8_moe.py)."""
+    if fp8 is not None:
+        from ..kernels.fp8_moe import fp8_fused_moe  # Triton: on CPU only where FP8 is kept (interpreter)
+
+        s13, s2, block = fp8
+        return fp8_fused_moe(x, w13, s13, w2, s2, topk_weights, topk_ids, block=block, shared_last=shared_last)
     if use_fused_moe(x):
         from ..kernels import fused_moe  # first CUDA use: CPU users never load Triton
 
@@ -60,8 +67,8 @@ def run_stacked_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 
 class StackedExperts(Fp8Held, nn.Module):
     """E SwiGLU experts `down(silu(gate x) * up x)` held as [E, ...] weights: the compute dtype, or block FP8
-    (layers/fp8.py `Fp8Held`: `gate_up_proj_scale_inv`, `down_proj_scale_inv`; resident experts only) run by
-    kernels/fp8_moe.py `fp8_fused_moe`.
+    (layers/fp8.py `Fp8Held`: `gate_up_proj_scale_inv`, `down_proj_scale_inv`; resident or offloaded to device slots)
+    run by kernels/fp8_moe.py `fp8_fused_moe`.
 
     `device` places the weights (the host, for offloaded strategies; default: where the model is
     built). With an `executor` attached (freetoken_core/moe: device slot pools, the CPU executor) the
@@ -94,27 +101,33 @@ class StackedExperts(Fp8Held, nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routes [T, k] -> sum over k of weight * expert(x), [T, H] in x's dtype."""
-        if self.fp8_block is not None:  # resident FP8 experts (offloaded ones dequantize at load)
-            return all_reduce(self._fp8_experts(x, topk_weights, topk_ids))
         if self.executor is not None:
             return self.executor.forward(x, topk_weights, topk_ids)
+        fp8 = None
         if self.stack_with_shared is not None:  # the routes end with the shared expert, stacked last
             w13, w2 = self.stack_with_shared
+            if self.fp8_block is not None:
+                fp8 = (*self.scales_with_shared, self.fp8_block)
             # the decode GEMV starts the shared route before the ids are final, on the premise that x was
             # written at least two launches back; FREETOKEN_ROUTER_TOPK_FUSED writes x and the ids in one
             shared_last = not kernel_env().router_topk_fused
-            return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids, shared_last=shared_last))
-        return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids))
+            return all_reduce(run_stacked_experts(x, w13, w2, topk_weights, topk_ids, shared_last, fp8))
+        return all_reduce(run_stacked_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
+                                              fp8=self.fp8_bank()))
 
-    def _fp8_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        from ..kernels.fp8_moe import fp8_fused_moe  # Triton: on CPU only where FP8 is kept (interpreter)
+    def fp8_bank(self) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None:
+        """(scale_inv of gate_up_proj, of down_proj, block) when the experts hold block FP8, else None."""
+        if self.fp8_block is None:
+            return None
+        return self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.fp8_block
 
-        if self.stack_with_shared is not None:  # as in forward: the routes end with the stacked shared expert
-            (w13, w2), (s13, s2) = self.stack_with_shared, self.scales_with_shared
-            return fp8_fused_moe(x, w13, s13, w2, s2, topk_weights, topk_ids, block=self.fp8_block,
-                                 shared_last=not kernel_env().router_topk_fused)
-        return fp8_fused_moe(x, self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj,
-                             self.down_proj_scale_inv, topk_weights, topk_ids, block=self.fp8_block)
+    @property
+    def bytes_per_expert(self) -> int:
+        """One expert's real bytes (values, and scales where FP8): a host -> device copy of it."""
+        tensors = [self.gate_up_proj, self.down_proj]
+        if self.fp8_block is not None:
+            tensors += [self.gate_up_proj_scale_inv, self.down_proj_scale_inv]
+        return sum(t[0].numel() * t.element_size() for t in tensors)
 
     # --- loading (models/weights.py) ----------------------------------------------------------
     def load_units(self, param: nn.Parameter) -> list[tuple[int, int | None]]:

@@ -134,9 +134,12 @@ def pack_cpu_weights(model: torch.nn.Module) -> None:
 
 def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
                device: torch.device | str = "cpu", progress: bool = True, load_format: str = "auto",
-               expert_device: torch.device | str | None = None, quantization: str | None = None) -> torch.nn.Module:
+               expert_device: torch.device | str | None = None, quantization: str | None = None,
+               fp8_host_experts: bool = False) -> torch.nn.Module:
     """load_format "auto" reads safetensors; "dummy" needs only config.json and draws random weights.
     expert_device: MoE models keep their routed experts there (the host, for offloaded strategies).
+    fp8_host_experts: experts on expert_device stay block FP8 there too (moe_strategy offload: the device slots run
+    the FP8 kernels); otherwise host experts dequantize (the cpu and hybrid executors compute dense).
     quantization: None (the checkpoint's own quantization_config) or "fp8" (block-quantize an unquantized one);
     block-FP8 weights stay FP8 in the layers that can run them where `keeps_fp8` says so (CUDA), else dequantize
     (layers/fp8.py); with load_format "dummy" such layers get random FP8 values and block scales directly."""
@@ -150,8 +153,8 @@ def load_model(model_path: str, dtype: torch.dtype | str = torch.float32,
     with torch.device(device):
         model = cls(config, dtype, expert_device=expert_device) if expert_device is not None else cls(config, dtype)
     held = 0
-    if keeps_fp8(fmt, device):  # FP8 weights stay FP8 (offloaded experts dequantize: their host banks are dense)
-        held, _ = hold_fp8_weights(model, fmt, experts=expert_device is None or torch.device(expert_device) == device)
+    if keeps_fp8(fmt, device):  # FP8 weights stay FP8 (host experts only for offload: see fp8_host_experts)
+        held, _ = hold_fp8_weights(model, fmt, experts=expert_device is None or fp8_host_experts)
     if load_format == "dummy":
         init_dummy_weights_(model)
     elif load_format == "auto":

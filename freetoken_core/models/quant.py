@@ -140,7 +140,7 @@ def keeps_fp8(fmt: Fp8BlockFormat | None, device: torch.device | str) -> bool:
 def hold_fp8_weights(model: nn.Module, fmt: Fp8BlockFormat, experts: bool = True) -> tuple[int, int]:
     """Switch every layer that can hold block-FP8 weights to FP8 storage before loading: the projections the FP8
     releases quantize (not the router, the shared-expert gate, ... `_FULL_PRECISION`), and the routed experts when
-    `experts` (resident: offloaded ones dequantize at load). A checkpoint tensor that then arrives plain turns its
+    `experts` (resident, or host banks the offload executors run in FP8). A checkpoint tensor that then arrives plain turns its
     layer back (`Fp8Held.drop_fp8`). Returns (layers held in FP8, layers left dense that could not hold them: each
     named once in the log)."""
     from ..layers.moe import StackedExperts

@@ -30,6 +30,7 @@ import torch
 from ..kernels.expert_cache_ref import COUNTERS, CacheTables
 from ..layers.moe import run_stacked_experts
 from . import register_executor
+from .slot_pool import slots_like
 from .stats import ExpertStats
 
 
@@ -37,20 +38,24 @@ class DeviceExpertCache:
     graph_safe = True  # no host sync on the decode path: engine.py keeps CUDA graphs on
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, slots: int, device: torch.device,
-                 counters: tuple[torch.Tensor, int] | None = None) -> None:
+                 counters: tuple[torch.Tensor, int] | None = None,
+                 fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> None:
         if not 1 <= slots <= w13.shape[0]:
             raise ValueError(f"an expert pool needs 1..{w13.shape[0]} slots, got {slots}")
         self.host_w13, self.host_w2 = w13.contiguous(), w2.contiguous()
         self.num_experts, self.num_slots, self.device = w13.shape[0], slots, device
-        # zeros, not empty: a padding row never meets NaN garbage in a slot not yet filled
-        self.w13 = torch.zeros((slots, *w13.shape[1:]), dtype=w13.dtype, device=device)
-        self.w2 = torch.zeros((slots, *w2.shape[1:]), dtype=w2.dtype, device=device)
+        self.w13, self.w2 = slots_like(w13, slots, device), slots_like(w2, slots, device)
+        # FP8 experts: the slots hold values and scales; kernel B copies each pair as bytes (copy_pairs)
+        self.host_fp8, self.fp8 = fp8, None
+        if fp8 is not None:
+            self.fp8 = (slots_like(fp8[0], slots, device), slots_like(fp8[1], slots, device), fp8[2])
         if counters is None:
             counters = (torch.zeros(1, len(COUNTERS), dtype=torch.int64, device=device), 0)
         self.counters_source = counters  # (the [layers, 5] tensor shared by all layers, this layer's row)
         self.tables = CacheTables.create(self.num_experts, slots, device, counters[0][counters[1]])
-        self.bytes_per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        self._plan: tuple[int, int, int] | None = None
+        self.pairs = copy_pairs(self.host_w13, self.host_w2, self.w13, self.w2, fp8, self.fp8)
+        self.bytes_per_expert = sum(src[0].numel() * src.element_size() for src, _ in self.pairs)
+        self._plans: list[tuple[int, int, int]] | None = None
 
     # --- stats (read from the device only here) ---------------------------------------------------
     @property
@@ -70,9 +75,11 @@ class DeviceExpertCache:
         from ..kernels import expert_cache  # first use: CPU users of other strategies never load Triton
 
         slots = expert_cache.assign_slots(topk_ids, self.tables, self.bytes_per_expert, tokens)
-        if self._plan is None:
-            self._plan = expert_cache.copy_plan(self.w13[0].numel(), self.w2[0].numel(), self.num_slots, self.device)
-        expert_cache.copy_missed(self.tables, self.host_w13, self.host_w2, self.w13, self.w2, self._plan)
+        if self._plans is None:
+            self._plans = [expert_cache.copy_plan(d13[0].numel(), d2[0].numel(), self.num_slots, self.device)
+                           for (_, d13), (_, d2) in zip(self.pairs[::2], self.pairs[1::2])]
+        for (h13, d13), (h2, d2), plan in zip(self.pairs[::2], self.pairs[1::2], self._plans):
+            expert_cache.copy_missed(self.tables, h13, h2, d13, d2, plan)
         return slots
 
     def fits_without_reading(self, num_routes: int) -> bool:
@@ -84,10 +91,10 @@ class DeviceExpertCache:
         if num_tokens == 0:
             return torch.zeros_like(x)
         if self.fits_without_reading(topk_ids.numel()):
-            return run_stacked_experts(x, self.w13, self.w2, topk_weights, self.step(topk_ids, num_tokens))
+            return run_stacked_experts(x, self.w13, self.w2, topk_weights, self.step(topk_ids, num_tokens), fp8=self.fp8)
         experts = torch.unique(topk_ids)  # eager (a prefill): one small read-back
         if experts.numel() <= self.num_slots:
-            return run_stacked_experts(x, self.w13, self.w2, topk_weights, self.step(topk_ids, num_tokens))
+            return run_stacked_experts(x, self.w13, self.w2, topk_weights, self.step(topk_ids, num_tokens), fp8=self.fp8)
         out = None
         for start in range(0, experts.numel(), self.num_slots):
             group = experts[start:start + self.num_slots]
@@ -95,7 +102,7 @@ class DeviceExpertCache:
             ids = torch.where(mine, topk_ids, group[0].to(topk_ids.dtype))
             weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
             slots = self.step(ids, num_tokens if start == 0 else 0)
-            y = run_stacked_experts(x, self.w13, self.w2, weights, slots)
+            y = run_stacked_experts(x, self.w13, self.w2, weights, slots, fp8=self.fp8)
             out = y if out is None else out + y
         return out
 
@@ -114,6 +121,17 @@ def preserved_counters(executors: list) -> Iterator[None]:
             ex.tables.counters.copy_(snap)
 
 
+def copy_pairs(host_w13: torch.Tensor, host_w2: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               host_fp8: tuple | None = None, fp8: tuple | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(host bank, device slots) pairs kernel B copies, two per launch: the weights, then the FP8 scales when held.
+    FP8 values travel as their bytes (uint8 views): the copy moves bits, never converts."""
+    pairs = [(host_w13, w13), (host_w2, w2)]
+    if fp8 is not None:
+        pairs += [(host_fp8[0].contiguous(), fp8[0]), (host_fp8[1].contiguous(), fp8[1])]
+    return [(src.view(torch.uint8), dst.view(torch.uint8)) if src.element_size() == 1 else (src, dst)
+            for src, dst in pairs]
+
+
 def copy_self_check(host_w13: torch.Tensor, host_w2: torch.Tensor, device: torch.device) -> str | None:
     """None when kernel B copies an expert of these host banks into a device slot bit for bit, eagerly
     and (on CUDA) replayed from a CUDA graph; else the reason it cannot be used."""
@@ -122,8 +140,8 @@ def copy_self_check(host_w13: torch.Tensor, host_w2: torch.Tensor, device: torch
 
         num_experts = host_w13.shape[0]
         tables = CacheTables.create(num_experts, 1, device)
-        w13 = torch.zeros((1, *host_w13.shape[1:]), dtype=host_w13.dtype, device=device)
-        w2 = torch.zeros((1, *host_w2.shape[1:]), dtype=host_w2.dtype, device=device)
+        (host_w13, w13), (host_w2, w2) = copy_pairs(host_w13, host_w2, slots_like(host_w13, 1, device),
+                                                    slots_like(host_w2, 1, device))
         plan = copy_plan(w13[0].numel(), w2[0].numel(), 1, device)
 
         def same(e: int) -> bool:
@@ -155,5 +173,7 @@ def copy_self_check(host_w13: torch.Tensor, host_w2: torch.Tensor, device: torch
 
 @register_executor("offload_device")
 def make_device_cache_executor(w13: torch.Tensor, w2: torch.Tensor, slots: int, device: torch.device,
-                               counters: tuple[torch.Tensor, int] | None = None, **_: object) -> DeviceExpertCache:
-    return DeviceExpertCache(w13, w2, slots, device, counters)
+                               counters: tuple[torch.Tensor, int] | None = None,
+                               fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
+                               **_: object) -> DeviceExpertCache:
+    return DeviceExpertCache(w13, w2, slots, device, counters, fp8)

@@ -52,8 +52,9 @@ def place_experts(model: torch.nn.Module, strategy: str, config: Any, device: to
     if not blocks:
         raise ValueError(f"moe_strategy {strategy!r} needs a MoE model")
     first = blocks[0].experts
-    shape = ExpertShape(len(blocks), first.num_experts, blocks[0].top_k,
-                        (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * first.gate_up_proj.element_size())
+    shape = ExpertShape(len(blocks), first.num_experts, blocks[0].top_k, first.bytes_per_expert)
+    if first.fp8_block is not None and strategy != "offload":  # models/loader.py holds FP8 only for these
+        raise ValueError(f"moe_strategy {strategy!r} computes dense experts: FP8 host banks serve only offload")
     max_bs = config.max_running_req
     slots = 0
     if strategy in ("offload", "hybrid"):
@@ -63,29 +64,40 @@ def place_experts(model: torch.nn.Module, strategy: str, config: Any, device: to
     t0 = time.perf_counter()
     banks = []
     for block in blocks:
-        ex = block.experts
-        w13, w2 = ex.gate_up_proj.data, ex.down_proj.data
-        if device.type == "cuda" and not w13.is_pinned():
-            w13, w2 = w13.pin_memory(), w2.pin_memory()
-            ex.gate_up_proj.data, ex.down_proj.data = w13, w2
-        banks.append((w13, w2))
+        banks.append(pinned_banks(block.experts, device))
     built = time.perf_counter() - t0
-    name = offload_executor(config, device, *banks[0]) if strategy == "offload" else strategy
+    name = offload_executor(config, device, *banks[0][:2]) if strategy == "offload" else strategy
     counters = None
     if name == "offload_device":  # one [layers, 5] tensor: the stats read all layers at once
         from ..kernels.expert_cache_ref import COUNTERS
 
         counters = torch.zeros(len(blocks), len(COUNTERS), dtype=torch.int64, device=device)
     executors = []
-    for i, (block, (w13, w2)) in enumerate(zip(blocks, banks)):
-        executor = create_executor(name, w13=w13, w2=w2, slots=slots, device=device,
+    for i, (block, (w13, w2, fp8)) in enumerate(zip(blocks, banks)):
+        executor = create_executor(name, w13=w13, w2=w2, slots=slots, device=device, fp8=fp8,
                                    threads=config.moe_cpu_threads, counters=None if counters is None else (counters, i))
         block.experts.executor = executor
         executors.append(executor)
     log.info("experts placed (%s, executor %s): %d MoE layers x %d experts, %d device slots per layer, host banks "
-             "%.2f GiB pinned in %.1f s", strategy, name, shape.num_layers, shape.num_experts, slots,
-             expert_bytes(shape) / 2**30, built)
+             "%.2f GiB%s pinned in %.1f s", strategy, name, shape.num_layers, shape.num_experts, slots,
+             expert_bytes(shape) / 2**30, "" if first.fp8_block is None else " (block FP8 + scales)", built)
     return executors, max_bs
+
+
+def pinned_banks(experts: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """(w13, w2, FP8 scales and block or None) of a layer's host experts, pinned once on a CUDA machine so that
+    host -> device copies and the CPU executor read the same bank."""
+    names = ["gate_up_proj", "down_proj"]
+    if experts.fp8_block is not None:
+        names += ["gate_up_proj_scale_inv", "down_proj_scale_inv"]
+    tensors = []
+    for name in names:
+        t = getattr(experts, name)
+        if device.type == "cuda" and not t.is_pinned():
+            t.data = t.data.pin_memory()
+        tensors.append(t.data)
+    fp8 = None if experts.fp8_block is None else (tensors[2], tensors[3], experts.fp8_block)
+    return tensors[0], tensors[1], fp8
 
 
 def offload_executor(config: Any, device: torch.device, w13: torch.Tensor, w2: torch.Tensor) -> str:

@@ -27,19 +27,31 @@ from .cpu_executor import CpuExperts
 from .stats import ExpertStats
 
 
+def slots_like(bank: torch.Tensor, slots: int, device: torch.device) -> torch.Tensor:
+    """Device slots [S, ...] for experts of a host bank [E, ...]; zeros, not empty: a padding row never meets NaN
+    garbage in a slot not yet filled."""
+    return torch.zeros((slots, *bank.shape[1:]), dtype=bank.dtype, device=device)
+
+
 class ExpertSlotPool:
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, slots: int, device: torch.device) -> None:
+    """fp8: (scale_inv bank of w13, of w2, block) when the host banks hold block-FP8 values; the slots then hold
+    values and scales, and a miss copies both (half the bytes of a bf16 expert)."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, slots: int, device: torch.device,
+                 fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None) -> None:
         if not 1 <= slots <= w13.shape[0]:
             raise ValueError(f"an expert pool needs 1..{w13.shape[0]} slots, got {slots}")
         self.host_w13, self.host_w2 = w13, w2
         self.num_experts, self.num_slots, self.device = w13.shape[0], slots, device
-        self.w13 = torch.empty((slots, *w13.shape[1:]), dtype=w13.dtype, device=device)
-        self.w2 = torch.empty((slots, *w2.shape[1:]), dtype=w2.dtype, device=device)
+        self.w13, self.w2 = slots_like(w13, slots, device), slots_like(w2, slots, device)
+        self.host_fp8, self.fp8 = fp8, None
+        if fp8 is not None:
+            self.fp8 = (slots_like(fp8[0], slots, device), slots_like(fp8[1], slots, device), fp8[2])
         self.slot_of = torch.full((self.num_experts,), -1, dtype=torch.int64, device=device)
         self._slot_of: list[int] = [-1] * self.num_experts
         self._lru: OrderedDict[int, int] = OrderedDict()  # resident expert -> slot, least recent first
         self._free = list(range(slots - 1, -1, -1))
-        self.bytes_per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        self.bytes_per_expert = sum(t[0].numel() * t.element_size() for t in self._banks()[0])
         self.stats = ExpertStats()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -82,10 +94,19 @@ class ExpertSlotPool:
         else:
             self._copy(copies)
 
+    def _banks(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(host banks, their device slots): the weights, then the FP8 scales when held."""
+        host, dev = [self.host_w13, self.host_w2], [self.w13, self.w2]
+        if self.fp8 is not None:
+            host += self.host_fp8[:2]
+            dev += self.fp8[:2]
+        return host, dev
+
     def _copy(self, copies: list[tuple[int, int]]) -> None:
+        host, dev = self._banks()
         for e, slot in copies:
-            self.w13[slot].copy_(self.host_w13[e], non_blocking=True)
-            self.w2[slot].copy_(self.host_w2[e], non_blocking=True)
+            for src, dst in zip(host, dev):
+                dst[slot].copy_(src[e], non_blocking=True)
         self.stats.bytes_copied += len(copies) * self.bytes_per_expert
         self.slot_of.copy_(torch.tensor(self._slot_of, dtype=torch.int64), non_blocking=False)
 
@@ -103,7 +124,7 @@ class ExpertSlotPool:
                 mine = torch.isin(topk_ids, torch.tensor(group, device=topk_ids.device, dtype=topk_ids.dtype))
                 weights = torch.where(mine, topk_weights, torch.zeros_like(topk_weights))
                 slots = torch.where(mine, slots, torch.zeros_like(slots))
-            y = run_stacked_experts(x, self.w13, self.w2, weights, slots.to(topk_ids.dtype))
+            y = run_stacked_experts(x, self.w13, self.w2, weights, slots.to(topk_ids.dtype), fp8=self.fp8)
             out = y if out is None else out + y
         return out if out is not None else torch.zeros_like(x)
 
@@ -138,8 +159,9 @@ class HybridExperts:
 
 @register_executor("offload")
 def make_offload_executor(w13: torch.Tensor, w2: torch.Tensor, slots: int, device: torch.device,
+                          fp8: tuple[torch.Tensor, torch.Tensor, tuple[int, int]] | None = None,
                           **_: object) -> ExpertSlotPool:
-    return ExpertSlotPool(w13, w2, slots, device)
+    return ExpertSlotPool(w13, w2, slots, device, fp8)
 
 
 @register_executor("hybrid")
