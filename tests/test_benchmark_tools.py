@@ -44,10 +44,15 @@ def test_the_perf_analyzer_script_answers_help():
     assert out.returncode == 0 and "perf_analyzer" in out.stdout and "MODEL_DIR|SHAPE" in out.stdout
 
 
-def test_the_docs_name_only_scripts_that_exist():
-    """Every `benchmarks/...` path in the README, docs/ and benchmarks/ markdown is a file of the repository."""
-    docs = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *BENCHMARKS.rglob("*.md")]
-    named = {m for doc in docs for m in re.findall(r"benchmarks/[\w/.-]+\.(?:py|sh)", doc.read_text())}
-    assert named, "the docs name no benchmark script"
-    missing = sorted(n for n in named if not (REPO / n).is_file())
+def test_docs_tests_and_scripts_name_only_benchmarks_that_exist():
+    """Every `benchmarks/...` script named by the README, docs/, the benchmarks themselves, the tests, the client
+    examples or the Makefile is a file of the repository (a moved or deleted script leaves no stale pointer)."""
+    texts = [REPO / "README.md", REPO / "Makefile", *(REPO / "docs").glob("*.md")]
+    for folder, patterns in ((BENCHMARKS, ("*.md", "*.py", "*.sh")), (REPO / "tests", ("*.py",)),
+                             (REPO / "client_examples", ("*.py", "*.sh"))):
+        texts += [p for pattern in patterns for p in folder.rglob(pattern)]
+    named = {(m, text.relative_to(REPO)) for text in texts
+             for m in re.findall(r"benchmarks/[\w/.-]+\.(?:py|sh)\b", text.read_text())}
+    assert any(str(where) == "README.md" for _, where in named), "the README names no benchmark script"
+    missing = sorted((n, str(where)) for n, where in named if not (REPO / n).is_file())
     assert not missing, missing
