@@ -1,5 +1,6 @@
 # Everything the project needs, installed by its own files.
-#   make test     create .venv, install the package with test + serve extras (+ perf where it resolves), fetch the default model, run the tests
+#   make test     create .venv, install the package with test + serve extras (+ perf where it resolves, + gpu on a
+#                 host with an NVIDIA GPU), fetch the default model, run the tests
 #   make serve    create .venv, install, fetch SmolLM2, start tritonserver on the model repository
 PYTHON ?= python3
 VENV   ?= .venv
@@ -19,6 +20,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@$(PIP) install -q -e ".[perf]" > $(VENV)/perf-extra.log 2>&1 || echo "note: perf_analyzer and genai-perf not \
 	installed ($$(grep ERROR $(VENV)/perf-extra.log | tail -1)): perf-analyzer's wheel needs glibc >= 2.38, \
 	this host has $$(getconf GNU_LIBC_VERSION); client_examples/perf_analyzer.sh says what to use instead"
+	@# a host with an NVIDIA GPU gets the gpu extra (fla-core's chunked GDN prefill); never a CPU host, where an
+	@# installed fla-core breaks transformers' GDN models that the tests compare against
+	@if nvidia-smi -L > /dev/null 2>&1; then echo "NVIDIA GPU found: installing the gpu extra"; \
+	$(PIP) install -q -e ".[gpu]"; fi
 	touch $@
 
 install: $(VENV)/.installed

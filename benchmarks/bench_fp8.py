@@ -1,6 +1,6 @@
 """Block-FP8 kernels (freetoken_core/kernels/fp8_*.py) against their bf16 counterparts on Qwen3-30B-A3B shapes.
 
-    PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/bench_fp8.py [--no-sweep]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8.py [--no-sweep]
 
 One-row GEMVs and the expert decode GEMVs time inside CUDA graphs cycling through weight copies far past the L2
 (bench_gemv.graph_time_us), and print the share of the copy bandwidth their weight bytes took; the prefill GEMMs
@@ -12,24 +12,27 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench_decode import copy_bandwidth
-from bench_gemv import graph_time_us, sweep_best
-from freetoken_core.kernels.fp8_gemm import fp8_gemm_w8a8, fp8_gemm_weight_only
-from freetoken_core.kernels.fp8_gemm_ref import fp8_gemv_reference
-from freetoken_core.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_rows_gemm
-from freetoken_core.kernels.fp8_moe import fp8_fused_moe_grouped
-from freetoken_core.kernels.fp8_moe_gemv import fp8_fused_moe_decode
-from freetoken_core.kernels.fp8_moe_ref import fp8_fused_moe_reference
-from freetoken_core.kernels.fp8_ref import quantize_block_fp8
-from freetoken_core.kernels.fused_moe import fused_moe_decode, fused_moe_grouped
-from freetoken_core.kernels.fused_moe_ref import topk_softmax_ref
-from freetoken_core.kernels.gemv import gemv, rows_gemm
-from freetoken_core.kernels.norm_gemv import norm_gemv
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dev"))  # bench_gemv's CUDA-graph timer
+from bench_decode import copy_bandwidth  # noqa: E402
+from bench_gemv import graph_time_us, sweep_best  # noqa: E402
+from freetoken_core.kernels.fp8_gemm import fp8_gemm_w8a8, fp8_gemm_weight_only  # noqa: E402
+from freetoken_core.kernels.fp8_gemm_ref import fp8_gemv_reference  # noqa: E402
+from freetoken_core.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_rows_gemm  # noqa: E402
+from freetoken_core.kernels.fp8_moe import fp8_fused_moe_grouped  # noqa: E402
+from freetoken_core.kernels.fp8_moe_gemv import fp8_fused_moe_decode  # noqa: E402
+from freetoken_core.kernels.fp8_moe_ref import fp8_fused_moe_reference  # noqa: E402
+from freetoken_core.kernels.fp8_ref import quantize_block_fp8  # noqa: E402
+from freetoken_core.kernels.fused_moe import fused_moe_decode, fused_moe_grouped  # noqa: E402
+from freetoken_core.kernels.fused_moe_ref import topk_softmax_ref  # noqa: E402
+from freetoken_core.kernels.gemv import gemv, rows_gemm  # noqa: E402
+from freetoken_core.kernels.norm_gemv import norm_gemv  # noqa: E402
 
 COPIES_BYTES = 512 << 20
 GEMV_SWEEP = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)

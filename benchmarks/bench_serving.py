@@ -20,7 +20,8 @@ import queue
 import sys
 import time
 
-
+# perf_analyzer's prompts and request inputs (pa_summary.py) live beside the perf_analyzer helpers
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "dev"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TEXT = (
@@ -94,7 +95,7 @@ def make_prompts(tokenizer, n: int, prompt_tokens: int) -> list[str]:
 class StepTimes:
     """Where an in-process run's time goes: the wall time of each Scheduler.step() call (with overlap scheduling,
     the host's work for a step plus its wait for the one before), by whether the call launched a prefill. The
-    in-process 64-stream side read 20-36k tok/s on one H200 host and in one engine (thirty-fourth session) while
+    in-process 64-stream side read 20-36k tok/s on one H200 host and in one engine while
     the served engine process stepped at p50 1.1-1.5 ms: these say whether prefill steps or slow decode steps hold
     it back."""
 
@@ -141,7 +142,7 @@ def bench_offline(model_path: str, prompts: list[str], out_tokens: int, concurre
     window_s > 0: perf_analyzer's measurement, in-process (the served side's rows are measured so): each window
     runs LLM.generate over the prompts again and again until window_s has passed, windows repeat until the last
     `rounds` of them agree within `stability` of their mean (at most max_windows), and the rate is their mean.
-    Why: one ~1 s run at 64 streams swung by up to a third on the H200 hosts (twenty-ninth session, 26.7k-37.8k
+    Why: one ~1 s run at 64 streams swung by up to a third on the H200 hosts (26.7k-37.8k
     tok/s in one engine), and a ratio against one such run measured the host as much as the served path."""
     import gc
     import statistics
@@ -243,7 +244,7 @@ def bench_closed_loop(model_path: str, prompts: list[str], out_tokens: int, conc
 
 
 def bench_one_request(model_path: str, out_tokens: int, engine_kw: dict, repeats: int = 20) -> str:
-    """In-process, one request at a time on perf_analyzer's prompts (benchmarks/pa_summary.py PROMPTS): the
+    """In-process, one request at a time on perf_analyzer's prompts (benchmarks/dev/pa_summary.py PROMPTS): the
     median time of LLM.generate with max_tokens=1 (the request's TTFT plus the call's own cost) and with
     max_tokens=out_tokens, beside which pa_clients.py stream1 reads the served path's one-stream times."""
     import statistics

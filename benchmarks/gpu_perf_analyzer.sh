@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # perf_analyzer (C++ client: not the limit) against the served engine on the GPU test host, issue 13:
 # the ensemble and the `freetoken` model alone (input_ids), gRPC streaming, concurrency 1 16 64 128,
-# then HTTP generate_stream (SSE, benchmarks/pa_clients.py sse: several client processes) at 16 and 64.
+# then HTTP generate_stream (SSE, benchmarks/dev/pa_clients.py sse: several client processes) at 16 and 64.
 #   source .gpu-bundle/setup.sh && bash benchmarks/gpu_perf_analyzer.sh MODEL_DIR|SHAPE [EXTRA serve args ...]
 #   e.g.  bash benchmarks/gpu_perf_analyzer.sh smollm2-135m        (random weights, SmolLM2's tokenizer)
 #         bash benchmarks/gpu_perf_analyzer.sh llama-3.2-1b
@@ -9,28 +9,24 @@
 #   PA_TRIALS=10 PA_STABILITY=10 SSE_S=10 ...
 #   TARGETS="ensemble freetoken" (which perf_analyzer targets run)
 #   STREAM1=N: then N requests one after another on one gRPC stream, timed by the client beside the
-#   `freetoken` model's own TTFT/TPOT (benchmarks/pa_clients.py stream1): where one stream's time goes;
+#   `freetoken` model's own TTFT/TPOT (benchmarks/dev/pa_clients.py stream1): where one stream's time goes;
 #   with TRACE=FILE the server also writes a Triton trace (level TIMESTAMPS, turned on only for a second
 #   STREAM1 run after the first, so that the first is untraced) and its timeline is printed
 #   CONCURRENCY="" (set, empty): no perf_analyzer runs
 #   PYSPY_OUT=DIR PYSPY_AT=64 PYSPY_S=8: while perf_analyzer runs the ensemble at concurrency PYSPY_AT, sample
 #   every Python-backend stub and the engine process with py-spy (on PATH) for PYSPY_S seconds; DIR gets one
-#   `py-spy record --format raw` file per process (collapsed stacks; benchmarks/pa_summary.py top DIR sums them)
+#   `py-spy record --format raw` file per process (collapsed stacks; benchmarks/dev/pa_summary.py top DIR sums them)
 #   PA_EXPORT=DIR: perf_analyzer also writes each run's per-request timestamps to DIR/TARGET-C.json, summarized
-#   after the table (benchmarks/pa_export.py: mean vs p50 latency, streams busy, the client's gap between requests)
-#   CPU_USAGE=1: after the table, the cores each process group used during each perf_analyzer run and how busy
-#   the host was (benchmarks/cpu_usage.py)
+#   after the table (benchmarks/dev/pa_export.py: mean vs p50 latency, streams busy, the client's gap between requests)
 #   ENGINE_CPUS=LIST (taskset syntax, e.g. 15 or 14,15): once the server is up, the engine process is pinned to
 #   those CPUs and everything else of the server, and perf_analyzer, to the others (an experiment: does the
 #   engine's thread lose steps to the rest of the served path's CPU work?)
 #   CLIENT_ANY_CPU=1: perf_analyzer and the Python clients may run on any CPU. By default, when serve moved the
 #   engine process onto CPUs of its own (engine_cpus=auto), the clients run off them, as a client on another host would
-#   (twenty-fourth session: a few one-stream requests ran 5-10% slower from start to end, suspected a client thread on
-#   the engine core's other hyperthread; not yet measured either way)
 #   GPU_LOG=1 (with PA_EXPORT): nvidia-smi samples the GPU's SM clock, power and clock event reasons every 100 ms
 #   into PA_EXPORT/gpu.csv while perf_analyzer runs, and the one-stream exports' spells of slow requests are listed
-#   beside them (pa_export.py --slow: twenty-fifth session, 2.5 s of every step ~25% slower in a 29 s one-stream run,
-#   the engine process's own pace too: the GPU's clock or the host?). Off by default: the sampling is a process more.
+#   beside them (pa_export.py --slow: is a slow spell the GPU's clock or the host?). Off by default: the sampling is
+#   a process more.
 #   DETOK_NICE=N: once the server is up, the detokenizer stubs run at nice N (another experiment: under a full
 #   host the engine and the `freetoken` stubs win the CPU, and a stream's tokens merge in the detokenizer's queue)
 # SHAPE (benchmarks/bench_serving.py SHAPES) builds a model dir: that config.json + the tokenizer files
@@ -41,6 +37,9 @@
 # 2.60 gives no TTFT/ITL for streams; the SSE rows measure them client-side).
 # About 8 x PA_MS x 1.5 + 2 x SSE_S + server start: ~3-4 minutes with the defaults.
 set -euo pipefail
+if [ $# -eq 0 ] || [ "$1" = --help ] || [ "$1" = -h ]; then  # the comment block above is the help
+  sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0
+fi
 model=$1; shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 conc=${CONCURRENCY-"1 16 64 128"}
@@ -51,9 +50,9 @@ pa_ms=${PA_MS:-6000}
 pa_trials=${PA_TRIALS:-10}
 # PA_STABILITY: perf_analyzer's --stability-percentage (its default, 10): the reported row is the mean of the last 3
 # windows, which must agree within it. perf_analyzer starts its streams a few at a time (~5 every 150 ms at 16
-# streams: benchmarks/pa_export.py), so its first window runs below the asked concurrency; at 50 (the setting here
-# until the twenty-second session) that window passed as stable and pulled every row down (Llama-3.2-1B, 16 streams:
-# windows of 10,345, 13,305 and 13,090 tok/s reported as 12,254). PA_TRIALS: the most windows it may take.
+# streams: benchmarks/dev/pa_export.py), so its first window runs below the asked concurrency; at 50 that window
+# passed as stable and pulled every row down (Llama-3.2-1B, 16 streams: windows of 10,345, 13,305 and 13,090 tok/s
+# reported as 12,254). PA_TRIALS: the most windows it may take.
 # PA_MS_1: the window at one stream. perf_analyzer counts the requests that end in a window, ~10 a second there
 # (128 tokens each), so a 2 s window resolves ~1.5% (1,314 / 1,331 / 1,349 tok/s were neighbouring readings):
 # issue 13's 0.95 needs ~0.3%, i.e. windows of 8-10 s at one stream while 2 s serve at 16 and 64.
@@ -73,7 +72,7 @@ print(b.shape_model_dir('$model', os.environ.get('TOKENIZER_DIR') or default_mod
   extra=(--param load_format=dummy)
 fi
 echo "model: $model ${extra[*]} $*"
-python3 "$repo/benchmarks/pa_summary.py" inputs "$work" "$out_tokens"
+python3 "$repo/benchmarks/dev/pa_summary.py" inputs "$work" "$out_tokens"
 if [ -n "${TRACE:-}" ]; then
   rm -f "$TRACE" "$TRACE".*
   extra+=(--server-arg=--trace-config=triton,file=$TRACE --server-arg=--trace-config=triton,log-frequency=20
@@ -128,7 +127,6 @@ if [ -n "${DETOK_NICE:-}" ]; then
   done
   echo "detokenizer stubs at nice $DETOK_NICE"
 fi
-cpu_lines=()
 profile() {  # py-spy every stub process (named by its model) and the engine child, in the background
   sleep 3
   for pid in $(pgrep -f triton_python_backend_stub) $(pgrep -f "multiprocessing.spawn"); do
@@ -139,9 +137,8 @@ profile() {  # py-spy every stub process (named by its model) and the engine chi
   wait
 }
 # WARMUP (default 1; 0 = off): before the measured runs, perf_analyzer sends each target a few seconds of 16 streams,
-# so that every model instance has served requests (the in-process side warms up too, bench_serving.py). Until the
-# twenty-fifth session there was none, and each one-stream run's first request took 23-28 ms longer than the
-# median (its first token ~30 ms), and its next two merged tokens (pa_export.py --slow).
+# so that every model instance has served requests (the in-process side warms up too, bench_serving.py). Without it
+# each one-stream run's first request took 23-28 ms longer than the median (pa_export.py --slow).
 if [ "${WARMUP:-1}" != 0 ] && [ -n "$conc" ]; then
   for target in ${TARGETS:-ensemble freetoken}; do
     timeout 120 "${pin[@]}" perf_analyzer -m "$target" -u localhost:8001 -i grpc --streaming \
@@ -161,7 +158,6 @@ for target in ${TARGETS:-ensemble freetoken}; do
   for c in $conc; do
     if [ -n "${PYSPY_OUT:-}" ] && [ "$target" = ensemble ] && [ "$c" = "${PYSPY_AT:-64}" ]; then
       mkdir -p "$PYSPY_OUT"; profile & fi
-    [ -z "${CPU_USAGE:-}" ] || python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-a.json"
     # up to PA_TRIALS windows of ~1.2x the interval each, plus the start and the ramp
     pa_timeout=$(( $(pa_ms_at "$c") * pa_trials * 3 / 2000 + 60 ))
     log_mark=$(wc -l < "$work/serve.log")
@@ -173,16 +169,12 @@ for target in ${TARGETS:-ensemble freetoken}; do
       > "$work/$target-$c.txt" 2>&1 || tail -3 "$work/$target-$c.txt"
     # the stubs' sender reports logged during this run (pa_summary.py senders: the detokenizer queue per run)
     tail -n +"$((log_mark + 1))" "$work/serve.log" | grep -o "sender: [0-9].*" > "$work/sender-$target-$c.txt" || true
-    if [ -n "${CPU_USAGE:-}" ]; then
-      python3 "$repo/benchmarks/cpu_usage.py" snapshot "$work/cpu-b.json"
-      cpu_lines+=("$target $c: $(python3 "$repo/benchmarks/cpu_usage.py" diff "$work/cpu-a.json" "$work/cpu-b.json")")
-    fi
   done
 done
 [ -z "$gpu_log_pid" ] || kill "$gpu_log_pid" 2> /dev/null || true
 sse_rows=()
 for c in $sse_conc; do
-  sse_rows+=("$(timeout $((sse_s + 150)) "${pin[@]}" python3 "$repo/benchmarks/pa_clients.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
+  sse_rows+=("$(timeout $((sse_s + 150)) "${pin[@]}" python3 "$repo/benchmarks/dev/pa_clients.py" sse localhost:8000 "$c" "$sse_s" "$out_tokens" || echo "| sse | $c | failed |")")
 done
 python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/metrics").read().decode())' \
   | grep -E "^nv_inference_(exec|request_success)_count.*detokenizer|^freetoken_(generation_tokens|request_finished)" | head -12 || true
@@ -192,27 +184,26 @@ grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 # the engine process's own pace a step while it stepped back to back (serving/engine_server.py StepPace)
 grep -o "engine process: [0-9]* steps back to back.*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
-python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc
-[ -z "$conc" ] || { echo; python3 "$repo/benchmarks/pa_summary.py" senders "$work" $conc; }
+python3 "$repo/benchmarks/dev/pa_summary.py" table "$work" "$out_tokens" $conc
+[ -z "$conc" ] || { echo; python3 "$repo/benchmarks/dev/pa_summary.py" senders "$work" $conc; }
 if [ -n "${PA_EXPORT:-}" ]; then
-  echo; python3 "$repo/benchmarks/pa_export.py" --out-tokens "$out_tokens" "$PA_EXPORT"/*.json || true
+  echo; python3 "$repo/benchmarks/dev/pa_export.py" --out-tokens "$out_tokens" "$PA_EXPORT"/*.json || true
   if compgen -G "$PA_EXPORT/*-1.json" > /dev/null; then
     gpu_arg=(); [ -s "$PA_EXPORT/gpu.csv" ] && gpu_arg=(--gpu "$PA_EXPORT/gpu.csv")
-    echo; python3 "$repo/benchmarks/pa_export.py" --slow "${gpu_arg[@]}" "$PA_EXPORT"/*-1.json || true
+    echo; python3 "$repo/benchmarks/dev/pa_export.py" --slow "${gpu_arg[@]}" "$PA_EXPORT"/*-1.json || true
   fi
 fi
 printf '%s\n' "${sse_rows[@]}"
-[ ${#cpu_lines[@]} -eq 0 ] || printf '%s\n' "${cpu_lines[@]}"
 if [ -n "${STREAM1:-}" ]; then
-  timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_clients.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+  timeout 300 "${pin[@]}" python3 "$repo/benchmarks/dev/pa_clients.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
     || echo "stream1 failed"
   if [ -n "${TRACE:-}" ]; then
     python3 -c 'import urllib.request as u; print(u.urlopen(u.Request("http://localhost:8000/v2/trace/setting",
       data=b"{\"trace_level\": [\"TIMESTAMPS\"], \"trace_rate\": \"1\"}", method="POST")).read().decode())'
     echo "traced:"
-    timeout 300 "${pin[@]}" python3 "$repo/benchmarks/pa_clients.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
+    timeout 300 "${pin[@]}" python3 "$repo/benchmarks/dev/pa_clients.py" stream1 localhost:8001 localhost:8002 "$STREAM1" "$out_tokens" \
       || echo "stream1 failed"
     sleep 1
-    python3 "$repo/benchmarks/pa_summary.py" trace "$TRACE"
+    python3 "$repo/benchmarks/dev/pa_summary.py" trace "$TRACE"
   fi
 fi

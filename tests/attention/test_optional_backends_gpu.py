@@ -9,7 +9,7 @@ take); every token before that must be equal. A wrong mask, page walk, or graph 
 different token at a wide gap at once.
 
 Neither package is on CI or on the GPU image; to run this there, carry the wheels and their
-dependencies (benchmarks/RESULTS.md, "Issue 14 on the H200", has the commands).
+dependencies (docs/engine.md, "On CUDA", has the commands).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The Triton 2.51 behaviour the serving layer's cancellation relies on, on tiny stand-in models
-(benchmarks/repro_cancel_signals.py; no LLM, ~15 s). If a Triton upgrade changes one of these (say,
+(cancel_signals_repro.py beside it; no LLM, ~15 s). If a Triton upgrade changes one of these (say,
 it starts cancelling the in-flight decoupled step of an ensemble, or tells models about an HTTP
 /generate disconnect), this test says so, and the serving layer can use the new signal."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.benchmark_scripts import load_benchmark
+from tests.serving import cancel_signals_repro
 
 pytestmark = pytest.mark.serving
 
@@ -18,7 +18,7 @@ pytest.importorskip("tritonclient.grpc")
 
 @pytest.fixture(scope="module")
 def repro():
-    return load_benchmark("repro_cancel_signals")
+    return cancel_signals_repro
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Defect 1 of issue 14: a cancelled non-streaming ensemble request must not keep the engine busy.
 
 Triton 2.51 never marks the engine's in-flight step cancelled inside an ensemble, and tells no model
-about a client that left HTTP /generate (benchmarks/repro_cancel_signals.py, asserted by
+about a client that left HTTP /generate (tests/serving/cancel_signals_repro.py, asserted by
 test_cancel_signals.py). So: with `nonstream_cancel_probe_ms` the engine probes each non-streaming
 ensemble request through the (then decoupled) detokenizer, which sees a gRPC cancel and stops the
 engine; and `max_nonstream_tokens` bounds what an unnoticed HTTP disconnect can waste."""

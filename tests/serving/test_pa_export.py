@@ -1,5 +1,5 @@
-"""benchmarks/pa_export.py --arrivals and pa_summary.py trace read what a one-stream run's time is made of: when each
-token reached the client, and the per-model timeline of any ensemble (served_floor.py's is called "floor")."""
+"""benchmarks/dev/pa_export.py --arrivals and pa_summary.py trace read what a one-stream run's time is made of: when each
+token reached the client, and the per-model timeline of any ensemble (whatever its name: here "floor")."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _request(t0_ms: float, stamps_ms: list[float], tokens: list[int]) -> dict:
 
 
 def test_token_arrivals_follow_the_responses_that_carry_them(tmp_path):
-    pa = load_benchmark("pa_export")
+    pa = load_benchmark("dev/pa_export")
     # 4 tokens: the first alone at 3 ms, then two merged at 5 ms, the last at 6 ms; a request cut short is left out
     reqs = [_request(0, [3, 5, 6], [1, 2, 1]), _request(100, [2, 4, 8], [1, 2, 1]), _request(200, [1], [1])]
     arrivals = pa.token_arrivals(reqs, 4)
@@ -28,7 +28,7 @@ def test_token_arrivals_follow_the_responses_that_carry_them(tmp_path):
 
 
 def test_the_trace_timeline_starts_from_any_ensembles_requests(tmp_path):
-    summary = load_benchmark("pa_summary")
+    summary = load_benchmark("dev/pa_summary")
     trace = tmp_path / "trace.json"
     ts = lambda name, ms: {"name": name, "ns": int(ms * 1e6)}  # noqa: E731
     trace.write_text(json.dumps([
@@ -41,7 +41,7 @@ def test_the_trace_timeline_starts_from_any_ensembles_requests(tmp_path):
 
 
 def test_slow_spells_group_the_slow_requests_and_tell_a_stall_from_slow_steps(tmp_path):
-    pa = load_benchmark("pa_export")
+    pa = load_benchmark("dev/pa_export")
     # one request every 100 ms, 10 ms each (10 responses 1 ms apart); requests 3-5 every step 50% slower, with one
     # normal request bridged inside (4); request 8 one 20 ms stall
     reqs = []
@@ -103,7 +103,7 @@ concurrency 64: in-process LLM  34000.0 output tok/s
 
 def test_targets_read_the_ab_output_against_issue_13():
     """Ratio = served / the mean of the in-process runs before and after; each setting's misses named."""
-    summary = load_benchmark("pa_summary")
+    summary = load_benchmark("dev/pa_summary")
     inprocess, served = summary.parse_ab_output(AB_OUTPUT)
     assert inprocess == {1: [1400.0, 1420.0], 16: [12000.0, 14000.0], 64: [30000.0, 34000.0]}
     assert list(served) == ["defaults", "FREETOKEN_DETOK_MAX_INFLIGHT=8"]
@@ -134,7 +134,7 @@ def test_senders_summarize_each_runs_sender_reports(tmp_path):
     """pa_summary.py senders: per run (the log lines gpu_perf_analyzer.sh sliced out while it went on), the median
     ack round trip p50 / p99, engine to first token and tokens a response over the stubs' reports, and the windows
     seen; a run without reports says so, a run without its file is left out."""
-    summary = load_benchmark("pa_summary")
+    summary = load_benchmark("dev/pa_summary")
     (tmp_path / "sender-ensemble-64.txt").write_text("\n".join(SENDER_LINES) + "\n")
     (tmp_path / "sender-ensemble-16.txt").write_text("")
     table = summary.senders_table(tmp_path, ["1", "16", "64"])

@@ -1,6 +1,6 @@
 """A/B of decode speed between two source trees of freetoken_core on the same GPU, alternating runs.
 
-    python benchmarks/ab_decode.py --old DIR_WITH_OLD_freetoken_core [--shape llama-3-8b] [--bs 1,64]
+    python benchmarks/dev/ab_decode.py --old DIR_WITH_OLD_freetoken_core [--shape llama-3-8b] [--bs 1,64]
                                    [--prompt 128] [--out-tokens 128] [--rounds 3]
 
 Each run is a fresh `bench_decode.py` process (random weights, bf16, no prefill row) with PYTHONPATH
@@ -18,13 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+BENCHMARKS = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| (?P<model>[^|]+) \| (?P<bs>\d+) \| (?P<prompt>\d+) \| \d+ \| (?P<tok_s>\d+) \|")
 
 
 def run_once(tree: Path, args) -> dict[int, float]:
-    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{HERE}", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, str(HERE / "bench_decode.py"), "--shapes", args.shape, "--bs", args.bs,
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{BENCHMARKS}", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(BENCHMARKS / "bench_decode.py"), "--shapes", args.shape, "--bs", args.bs,
            "--prompts", str(args.prompt), "--out-tokens", str(args.out_tokens), "--prefill", "0",
            "--page-size", str(args.page_size)]
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
@@ -37,7 +37,7 @@ def run_once(tree: Path, args) -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", required=True, help="a directory holding the old freetoken_core package")
-    ap.add_argument("--new", default=str(HERE.parent), help="the directory holding the new one (this checkout)")
+    ap.add_argument("--new", default=str(BENCHMARKS.parent), help="the directory holding the new one (this checkout)")
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--bs", default="1,64")
     ap.add_argument("--prompt", type=int, default=128)

@@ -1,7 +1,7 @@
 """perf_analyzer's companions in benchmarks/gpu_perf_analyzer.sh: the two clients it cannot be.
 
-    python benchmarks/pa_clients.py sse localhost:8000 CONCURRENCY SECONDS OUT_TOKENS [PROCESSES]
-    python benchmarks/pa_clients.py stream1 localhost:8001 localhost:8002 REQUESTS OUT_TOKENS
+    python benchmarks/dev/pa_clients.py sse localhost:8000 CONCURRENCY SECONDS OUT_TOKENS [PROCESSES]
+    python benchmarks/dev/pa_clients.py stream1 localhost:8001 localhost:8002 REQUESTS OUT_TOKENS
 
 `stream1` is where one stream's request time goes: REQUESTS requests one after another on one gRPC
 stream (the ensemble, as perf_analyzer's concurrency 1 sends them), timed by the client (send -> first
@@ -16,7 +16,7 @@ streams spread over PROCESSES client processes (default: one per 8 streams, so t
 limit; it reports its own CPU use so that you can tell), each stream sending its next request as soon as
 the last one ended. Prints requests/s, SSE events (responses)/s, tokens/s, TTFT and inter-event p50/p99.
 
-Both send benchmarks/pa_summary.py's PROMPTS, as perf_analyzer's input files do.
+Both send benchmarks/dev/pa_summary.py's PROMPTS, as perf_analyzer's input files do.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Where a decode step's time goes on the GPU: step time and a kernel table.
 
-    python benchmarks/profile_decode.py [--shape llama-3-8b] [--bs 1] [--prompt 128]
+    python benchmarks/dev/profile_decode.py [--shape llama-3-8b] [--bs 1] [--prompt 128]
 
 Prints the step time with CUDA graphs and the kernels of the captured steps grouped by name with
 their summed device time (torch.profiler), so "step time - kernel time" is what launch gaps and
-tails cost; then the same eagerly. benchmarks/bench_gemv.py measures the linear layers alone.
+tails cost; then the same eagerly. benchmarks/dev/bench_gemv.py measures the linear layers alone.
 """
 
 from __future__ import annotations
 
+import sys
 import argparse
 import collections
 import tempfile
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from bench_decode import SHAPES, copy_bandwidth, write_shape
-from freetoken_core.config import EngineConfig, SamplingParams
-from freetoken_core.scheduler.scheduler import Scheduler
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared bench_decode / bench_spec helpers
+from bench_decode import SHAPES, copy_bandwidth, write_shape  # noqa: E402
+from freetoken_core.config import EngineConfig, SamplingParams  # noqa: E402
+from freetoken_core.scheduler.scheduler import Scheduler  # noqa: E402
 
 
 def make_sched(model_dir: Path, graphs: bool, bs: int, page_size: int = 16, max_seq_len: int = 2048,

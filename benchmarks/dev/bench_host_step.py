@@ -1,6 +1,6 @@
 """Host time of a decode step outside the model's forward: what the scheduler and engine spend in Python.
 
-    python benchmarks/bench_host_step.py [--bs 16,64] [--steps 300]
+    python benchmarks/dev/bench_host_step.py [--bs 16,64] [--steps 300]
 
 On the GPU a small model's decode step replays a CUDA graph in well under the host's own per-step work at
 large batches (py-spy of the served engine at 64 streams: 68% of its time in Scheduler.step, 9% waiting
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.conftest's tiny model
 
 from freetoken_core.config import EngineConfig, SamplingParams  # noqa: E402
 from freetoken_core.scheduler.scheduler import Scheduler  # noqa: E402

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # FP8 kept on the GPU (issue 54). Run from the repository root on the lent GPU with the image's python3, one mode a
 # device call (each fits its 10 minutes):
-#   bash benchmarks/gpu_fp8_check.sh tests    the FP8 kernels against their references, then tiny Qwen3 dense / MoE /
+#   bash benchmarks/dev/gpu_fp8_check.sh tests    the FP8 kernels against their references, then tiny Qwen3 dense / MoE /
 #                                             Qwen3.5-MoE with FP8 kept against the dequantized bf16 path (CUDA graphs
 #                                             on, page sizes 1 and 4)
-#   bash benchmarks/gpu_fp8_check.sh bench [shape, default qwen3-30b-a3b] [batch sizes, default 1]
+#   bash benchmarks/dev/gpu_fp8_check.sh bench [shape, default qwen3-30b-a3b] [batch sizes, default 1]
 #                                             batch-1 decode (prompt 16, page size 1, 256 tokens) with --quant fp8,
 #                                             then the bf16 baseline on the same card
 set -uo pipefail

@@ -1,6 +1,6 @@
 """Attention of a mixed step (`mixed_prefill`): decoders' one-row requests beside an arriving prompt.
 
-    python benchmarks/bench_mixed_attention.py [--shapes smollm2-135m,llama-3.2-1b] [--decoders 64]
+    python benchmarks/dev/bench_mixed_attention.py [--shapes smollm2-135m,llama-3.2-1b] [--decoders 64]
         [--contexts 128,1024] [--prompt 128] [--slots 129]
 
 Served load mixes every arriving prompt into a step of the running requests' decode rows, and that step's
@@ -17,17 +17,20 @@ The grouped and ungrouped outputs are checked against each other first.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 from types import SimpleNamespace
 
 import torch
 
-from bench_decode import SHAPES
-from bench_gemv import graph_time_us
-from freetoken_core.attention.triton.decode import alloc_partials, alloc_split_counters, decode_attention, num_kv_splits
-from freetoken_core.attention.triton.extend import extend_attention
-from freetoken_core.engine.prefill_graph import prefill_graph_buckets
-from freetoken_core.models.blocks import head_dim_of
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared bench_decode / bench_spec helpers
+from bench_decode import SHAPES  # noqa: E402
+from bench_gemv import graph_time_us  # noqa: E402
+from freetoken_core.attention.triton.decode import alloc_partials, alloc_split_counters, decode_attention, num_kv_splits  # noqa: E402
+from freetoken_core.attention.triton.extend import extend_attention  # noqa: E402
+from freetoken_core.engine.prefill_graph import prefill_graph_buckets  # noqa: E402
+from freetoken_core.models.blocks import head_dim_of  # noqa: E402
 
 PAGE_SIZE = 16
 

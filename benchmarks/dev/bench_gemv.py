@@ -1,6 +1,6 @@
 """One-row GEMV (freetoken_core/kernels/gemv.py) vs cuBLAS (F.linear) on a model's weight shapes.
 
-    python benchmarks/bench_gemv.py [--shape llama-3-8b] [--fused] [--rows M] [--no-sweep]
+    python benchmarks/dev/bench_gemv.py [--shape llama-3-8b] [--fused] [--rows M] [--no-sweep]
 
 --rows M times the multi-row kernel (`rows_gemm`, speculative verify steps: M = k + 1 rows) against
 cuBLAS instead, and prints the configuration with the least time summed over the layer's weights.
@@ -13,6 +13,8 @@ in the same run. Results are checked against the fp32 reference first.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import itertools
 import time
@@ -21,10 +23,11 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from bench_decode import SHAPES, copy_bandwidth
-from freetoken_core.kernels import fused_ops as triton_ops
-from freetoken_core.kernels.gemv import ROWS_GEMM_CONFIG, default_config, gemv, gemv_reference, rows_gemm
-from freetoken_core.kernels.norm_gemv import norm_gemv, norm_gemv_reference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared bench_decode / bench_spec helpers
+from bench_decode import SHAPES, copy_bandwidth  # noqa: E402
+from freetoken_core.kernels import fused_ops as triton_ops  # noqa: E402
+from freetoken_core.kernels.gemv import ROWS_GEMM_CONFIG, default_config, gemv, gemv_reference, rows_gemm  # noqa: E402
+from freetoken_core.kernels.norm_gemv import norm_gemv, norm_gemv_reference  # noqa: E402
 
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
            for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))]

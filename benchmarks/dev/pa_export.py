@@ -1,8 +1,8 @@
 """Where a closed loop's slots go: perf_analyzer's per-request timestamps (--profile-export-file) summarized.
 
-    python benchmarks/pa_export.py [--out-tokens 128] FILE.json [FILE.json ...]   # gpu_perf_analyzer.sh PA_EXPORT=DIR
-    python benchmarks/pa_export.py --arrivals [--out-tokens 128] FILE.json ...     # when each token reached the client
-    python benchmarks/pa_export.py --slow [--gpu GPU.csv] FILE.json ...            # spells of slow requests
+    python benchmarks/dev/pa_export.py [--out-tokens 128] FILE.json [FILE.json ...]   # gpu_perf_analyzer.sh PA_EXPORT=DIR
+    python benchmarks/dev/pa_export.py --arrivals [--out-tokens 128] FILE.json ...     # when each token reached the client
+    python benchmarks/dev/pa_export.py --slow [--gpu GPU.csv] FILE.json ...            # spells of slow requests
 
 Why (issue 13): perf_analyzer at concurrency C keeps C requests outstanding, so by Little's law requests/s x mean
 latency should be C. On the H200 host the Llama-3.2-1B shape read 94.2 requests/s x 159.6 ms (p50) = 15.0 at 16
@@ -184,8 +184,7 @@ class SlowSpell:
 def slow_spells(requests: list[dict], factor: float = SLOW_FACTOR, bridge: int = 1) -> list[SlowSpell]:
     """Runs of requests (in send order) that took more than `factor` x the median latency, joined across at most
     `bridge` requests that did not. Why (issue 13): a one-stream run's mean falls below its median when the engine
-    steps slower for a while (the twenty-fifth session: 2.5 s of 13-25% slower requests in a 29 s run, no long gap
-    in any of them); this says when, for how long, and whether it was one stall (a long gap) or every step."""
+    steps slower for a while (seen: 2.5 s of 13-25% slower requests in a 29 s run, no long gap in any of them); this says when, for how long, and whether it was one stall (a long gap) or every step."""
     spans = sorted((r["timestamp"], r["response_timestamps"]) for r in requests if r.get("response_timestamps"))
     if not spans:
         return []

@@ -3,10 +3,10 @@
 # same shape, random bf16 weights, page size 1, 256 new tokens; ours is bench_decode.py's rate, FreeToken's
 # run_freetoken.py's N / (t[N+1] - t[1])).
 #
-#   bash benchmarks/gpu_peer_ab.sh SHAPE BATCH PROMPT [ROUNDS]     e.g.  qwen3-30b-a3b 1 16 2;  qwen3-30b-a3b 64 128 2
+#   bash benchmarks/dev/gpu_peer_ab.sh SHAPE BATCH PROMPT [ROUNDS]     e.g.  qwen3-30b-a3b 1 16 2;  qwen3-30b-a3b 64 128 2
 #
-# Needs the peer's files in .peer/ (copied from ../shared/peer as its README says; git-ignored, so carry it to the
-# GPU host). Per-run logs go to $OUT (default .gpu-run/peer); one line per run is printed.
+# Needs the peer's files in .peer/ (FreeToken 0.2.1's wheel and dependencies and its run_freetoken.py; git-ignored,
+# so carry it to the GPU host). Per-run logs go to $OUT (default .gpu-run/peer); one line per run is printed.
 set -uo pipefail
 SHAPE=$1 BS=$2 PROMPT=$3 ROUNDS=${4:-2}
 OUT=${OUT:-.gpu-run/peer}

@@ -13,7 +13,7 @@ HTTP: close the socket), waits, and reports which model saw the cancel and when.
 responses a client sees for a non-streaming request with probes, and what a model can see that
 tells HTTP /generate from /generate_stream.
 
-    python benchmarks/repro_cancel_signals.py          # prints a table; ~30 s on a 2-core box
+    python -m tests.serving.cancel_signals_repro       # prints a table; ~30 s on a 2-core box
 
 tests/serving/test_cancel_signals.py runs the same cases and asserts the behaviour serving relies on.
 """

@@ -1,6 +1,6 @@
 """Host-side profile of speculative decoding (where a verify step's Python time goes).
 
-    python benchmarks/profile_spec.py --model DIR [--k 8] [--device cuda] [--dtype bfloat16]
+    python benchmarks/dev/profile_spec.py --model DIR [--k 8] [--device cuda] [--dtype bfloat16]
 
 Runs bench_spec.py's repetitive workload once to warm up, then once under cProfile, and prints
 the functions with the most own time and the scheduler/spec functions by cumulative time.
@@ -12,6 +12,8 @@ a period well above the device time means the host is what limits the step rate.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 import argparse
 import cProfile
 import pstats
@@ -20,8 +22,9 @@ import time
 
 import torch
 
-from bench_spec import WORKLOADS, add_rows_config_arg, apply_rows_config
-from freetoken_core import LLM, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared bench_decode / bench_spec helpers
+from bench_spec import WORKLOADS, add_rows_config_arg, apply_rows_config  # noqa: E402
+from freetoken_core import LLM, SamplingParams  # noqa: E402
 
 
 def main() -> None:

@@ -1,9 +1,9 @@
 """Where one streamed response's time goes in the served path (CPU micro-benchmark, real tritonserver).
 
-    python benchmarks/serving_cost.py                 # 2000 responses per case
-    python benchmarks/serving_cost.py --responses 500 --formats full slim
-    python benchmarks/serving_cost.py --formats slim3 slim   # the one-tensor slim response against the 3-tensor one
-    python benchmarks/serving_cost.py --formats slim slimtext --profile   # 6 detokenizer outputs against 3
+    python benchmarks/dev/serving_cost.py                 # 2000 responses per case
+    python benchmarks/dev/serving_cost.py --responses 500 --formats full slim
+    python benchmarks/dev/serving_cost.py --formats slim3 slim   # the one-tensor slim response against the 3-tensor one
+    python benchmarks/dev/serving_cost.py --formats slim slimtext --profile   # 6 detokenizer outputs against 3
 
 A bench repository (written to a temp dir) holds `sendcost`, a decoupled Python model that sends N
 engine responses built by freetoken_core.serving.response exactly as the engine's sender thread
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SENDCOST_MODEL = '''
 import json, os, threading, time

@@ -1,19 +1,19 @@
 """Helpers of benchmarks/gpu_perf_analyzer.sh: write perf_analyzer's input files; summarize what its runs left.
-(Its two Python clients, SSE load and one timed stream, are benchmarks/pa_clients.py.)
+(Its two Python clients, SSE load and one timed stream, are benchmarks/dev/pa_clients.py.)
 
-    python benchmarks/pa_summary.py inputs DIR OUT_TOKENS      # DIR/ensemble.json, DIR/freetoken.json
-    python benchmarks/pa_summary.py table DIR OUT_TOKENS 1 16 64 128
-    python benchmarks/pa_summary.py top DIR [N]    # py-spy raw profiles (gpu_perf_analyzer.sh PYSPY_OUT)
-    python benchmarks/pa_summary.py trace TRACE_JSON     # tritonserver --trace-config level=TIMESTAMPS output
-    python benchmarks/pa_summary.py targets AB_OUTPUT    # gpu_served_ab.sh's output against issue 13's targets
-    python benchmarks/pa_summary.py senders DIR 1 16 64 128   # the stubs' sender reports during each run
+    python benchmarks/dev/pa_summary.py inputs DIR OUT_TOKENS      # DIR/ensemble.json, DIR/freetoken.json
+    python benchmarks/dev/pa_summary.py table DIR OUT_TOKENS 1 16 64 128
+    python benchmarks/dev/pa_summary.py top DIR [N]    # py-spy raw profiles (gpu_perf_analyzer.sh PYSPY_OUT)
+    python benchmarks/dev/pa_summary.py trace TRACE_JSON     # tritonserver --trace-config level=TIMESTAMPS output
+    python benchmarks/dev/pa_summary.py targets AB_OUTPUT    # gpu_served_ab.sh's output against issue 13's targets
+    python benchmarks/dev/pa_summary.py senders DIR 1 16 64 128   # the stubs' sender reports during each run
 
 `trace` reads a Triton trace file (serve --server-arg=--trace-config=triton,file=F
 --server-arg=--trace-config=level=TIMESTAMPS --server-arg=--trace-config=rate=1): for every ensemble request,
 each timestamp of the ensemble and of its steps (tokenizer, freetoken, every detokenizer execution) as an
 offset from the request's arrival (its GRPC_WAITREAD_END); prints the medians in time order, so a request's path reads top down.
 
-`targets` reads what benchmarks/gpu_served_ab.sh printed (its in-process lines, before and after, and each
+`targets` reads what benchmarks/dev/gpu_served_ab.sh printed (its in-process lines, before and after, and each
 setting's ensemble table) and says, per setting, the ratio served / mean in-process at each concurrency and
 whether issue 13's targets hold: >= 0.95 at 1, 16 and 64 streams, >= 8k responses/s at 64, <= 1.5 tokens a
 response at 16.

@@ -1,7 +1,7 @@
 """Device time of one pipelined speculative verify step (n-gram drafts, k + 1 rows) on random
 weights of a real model's shape, batch 1.
 
-    python benchmarks/bench_verify_step.py [--shape llama-3-8b] [--k 8] [--rows-gemm auto|all|off] [--tokens 256]
+    python benchmarks/dev/bench_verify_step.py [--shape llama-3-8b] [--k 8] [--rows-gemm auto|all|off] [--tokens 256]
 
 Random weights give no meaningful acceptance, but a pipelined step always scores k + 1 rows, so
 its cost is measurable without a real checkpoint (profile_spec.py needs one, with a tokenizer).
@@ -14,6 +14,7 @@ every weight to rows_gemm, `off` every weight to cuBLAS.
 
 from __future__ import annotations
 
+import sys
 import argparse
 import statistics
 import tempfile
@@ -22,11 +23,12 @@ from pathlib import Path
 
 import torch
 
-from bench_decode import SHAPES, write_shape
-from freetoken_core.config import EngineConfig, SamplingParams
-from freetoken_core.kernels import gemv as triton_gemv
-from freetoken_core.scheduler.scheduler import Scheduler
-from profile_spec import ReplayTimer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the shared bench_decode / bench_spec helpers
+from bench_decode import SHAPES, write_shape  # noqa: E402
+from freetoken_core.config import EngineConfig, SamplingParams  # noqa: E402
+from freetoken_core.kernels import gemv as triton_gemv  # noqa: E402
+from freetoken_core.scheduler.scheduler import Scheduler  # noqa: E402
+from profile_spec import ReplayTimer  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Tile sweep of the MoE decode GEMVs (freetoken_core/kernels/moe_gemv.py) on a model's expert shape.
 
-    python benchmarks/bench_moe_gemv.py --shape qwen3-30b-a3b [--tokens 1,8] [--full]
-    python benchmarks/bench_moe_gemv.py --shape all
+    python benchmarks/dev/bench_moe_gemv.py --shape qwen3-30b-a3b [--tokens 1,8] [--full]
+    python benchmarks/dev/bench_moe_gemv.py --shape all
 
 For each token count T it times `moe_gemv_gate_up` and `moe_gemv_down` (each program: BLOCK_N output
 columns of one route, whole-K rows streamed in BLOCK_K steps; there is no split-K) over a grid of

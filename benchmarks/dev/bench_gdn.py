@@ -3,7 +3,7 @@
 (`gating=`) and the gated output norm (`out_norm=`), so a tile that covers dv (BV = 128, the norm in
 the kernel's epilogue) competes with smaller tiles plus the separate norm launch.
 
-    python benchmarks/bench_gdn.py [--batches 1,8,64] [--rows 1] [--budget-s 45]
+    python benchmarks/dev/bench_gdn.py [--batches 1,8,64] [--rows 1] [--budget-s 45]
 
 Per layer and request the fp32 state is [32 v-heads, 128, 128] = 2 MiB, read and written once per
 decode step: that traffic is the floor, and GB/s below counts it alone. Each timing is a CUDA graph

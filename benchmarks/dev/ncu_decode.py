@@ -3,9 +3,9 @@
     ncu --nvtx --nvtx-include 'profile/' --graph-profiling node --clock-control none --cache-control all \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__block_size,\
 launch__registers_per_thread --csv --page raw \
-        python3 benchmarks/ncu_decode.py run --shape qwen3-30b-a3b --prompt 16 --page-size 1 > ncu.csv
+        python3 benchmarks/dev/ncu_decode.py run --shape qwen3-30b-a3b --prompt 16 --page-size 1 > ncu.csv
                                                               (PYTHONPATH=$PWD, from the repository root)
-    python3 benchmarks/ncu_decode.py table ncu.csv
+    python3 benchmarks/dev/ncu_decode.py table ncu.csv
 
 `run` builds the shape (random bf16 weights, CUDA graphs, PDL), decodes `--warm` steps of one
 request, then runs `--steps` steps inside an NVTX range named "profile", the only kernels ncu
@@ -22,6 +22,7 @@ import collections
 import csv
 import io
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,7 @@ METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "launch__grid_size"
 def run(args: argparse.Namespace) -> None:
     import torch
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_decode's shapes
     from bench_decode import write_shape
     from profile_decode import make_sched, start
 
