@@ -48,6 +48,7 @@ def test_placed_experts_give_the_resident_tokens(moe_model, strategy, budget, sp
         assert stats["bytes_copied_per_token"] > 0
         # the clamp: 5 slots hold one step of 2 requests (x 1 row x top-2), or 1 with k = 1 (2 rows)
         assert llm.scheduler.engine.resolved.max_running_req == (1 if speculative else 2)
+        assert llm.config.max_running_req == 3  # the caller's config keeps what it asked for
     if strategy == "hybrid":
         assert 0.0 < stats["slot_hit_rate"] < 1.0
 
