@@ -144,7 +144,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     # > 0: where decode runs in CUDA graphs, also capture prefill steps of up to this many rows (and
     # prefill_graph_max_reqs requests) (engine/prefill_graph.py): a short prompt's eager prefill is launch-bound
-    # (SmolLM2, H200: 17 ms eager, 0.6 ms captured; served at 1 stream +32% tok/s); 0 = eager prefill
+    # (benchmarks/RESULTS.md, prefill-graph row); 0 = eager prefill
     prefill_graph_max_tokens: int = PREFILL_GRAPH_MAX_TOKENS_DEFAULT
     prefill_graph_max_reqs: int = 4
     # prefill steps also carry one row of every decoding request (SGLang's --enable-mixed-chunk), so an

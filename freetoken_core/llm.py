@@ -97,8 +97,8 @@ class LLM:
         outputs = [RequestOutput(prompt_token_ids=p) for p in ids]
         for _ in self._run(ids, params, outputs, detokenize_each_step=False):
             pass
-        # The text of each request once the engine is done, not on its step loop: there it cost ~4 us a token of the
-        # host's time between steps (64 requests: ~0.3 ms a step), which the steps of a fast model then waited for.
+        # The text of each request once the engine is done, not on its step loop: there the host's detokenizing
+        # between steps was time the steps of a fast model waited for.
         # Stop strings need no text here (the scheduler's StopChecker ends the request), and one add() of every token
         # gives the text the step-by-step adds give (IncrementalDetokenizer: the text is defined by the ids alone).
         if self.tokenizer is not None:

@@ -31,9 +31,8 @@ def cpu_packing_available() -> bool:
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-prepacked copy of a [out, in] fp32/bf16 CPU weight, or None where that cannot be done.
 
-    Measured on the 2-core dev box (fp32, SmolLM2 shapes): MKL's GEMV streams weights at ~11 GB/s,
-    the packed oneDNN kernel at ~21 GB/s for 1 row and ~15 GB/s for 8 rows (4x MKL there): decode on
-    CPU reads every weight once per step, so this is the decode speed."""
+    CPU decode reads every weight once per step, and the packed oneDNN kernel streams them about twice as
+    fast as MKL's GEMV (CPU row of benchmarks/RESULTS.md)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_packing_available():
         return None
     if weight.dtype == torch.bfloat16 and not _mkldnn_bf16():  # oneDNN's bf16 path needs avx512 or avx_ne_convert
