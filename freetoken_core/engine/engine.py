@@ -21,32 +21,12 @@ from .batch_builder import build_batch
 from .graph import GraphRunner, default_bs_list
 from .linear_steps import LinearStateSteps
 from .prefill_graph import PrefillGraphRunner, prefill_graph_buckets
-from .resolved import ResolvedEngineConfig
+from .resolved import ResolvedEngineConfig, resolve_device, resolve_dtype
 from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 MAX_DEFAULT_SEQ_LEN = 32768
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class Engine:

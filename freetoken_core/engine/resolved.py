@@ -8,6 +8,30 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
 
 @dataclass(frozen=True)
 class ResolvedEngineConfig:
