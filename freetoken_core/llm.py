@@ -180,14 +180,14 @@ class LLM:
                         yield from self._end_closed(remaining, index, outputs)
                         return
         finally:
-            if self.closed:
-                return  # the engine is freed: nothing left to abort or step
-            # a caller that stops iterating (or an error) must not leave requests holding pages
-            for uid in list(index):
-                if sched.has_request(uid):
-                    sched.abort(uid)
-            while sched.has_queued_messages or sched.in_flight:
-                sched.step()
+            # a caller that stops iterating (or an error) must not leave requests holding pages; after
+            # close() the engine is freed and nothing is left to abort or step
+            if not self.closed:
+                for uid in list(index):
+                    if sched.has_request(uid):
+                        sched.abort(uid)
+                while sched.has_queued_messages or sched.in_flight:
+                    sched.step()
 
     @staticmethod
     def _end_closed(remaining: set[int], index: dict[int, int], outputs: list[RequestOutput]) -> Iterator[StreamDelta]:
