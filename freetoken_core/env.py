@@ -56,7 +56,7 @@ class KernelEnv:
     # FREETOKEN_FP8_KEEP: block-FP8 weights stay FP8 in the layers (values + scale_inv, run by kernels/fp8_*.py)
     # instead of being dequantized at load. auto: on CUDA devices (half the memory and the bytes a step reads);
     # 1: everywhere (CPU tests run the FP8 kernels under the interpreter); 0: never. 0 by default until the kept
-    # path has passed benchmarks/gpu_fp8_check.sh on a GPU (it has run on the CPU and the sm_90 compiler only)
+    # path has passed benchmarks/dev/gpu_fp8_check.sh on a GPU (it has run on the CPU and the sm_90 compiler only)
     fp8_keep: str = "0"
 
     @staticmethod

@@ -12,7 +12,7 @@ GROUP_SIZE_M, num_warps, num_stages. The first GEMM computes SiLU(gate) * up in 
 BLOCK_SIZE_N counts output (act) columns and each program multiplies 2 * BLOCK_SIZE_N weight rows; an
 optional "down" dict overrides N/K/GROUP/warps/stages for the second GEMM.
 
-ENTRIES ARE TO BE SET BY MEASUREMENT ON THE H200 (benchmarks/bench_moe.py). The one shape below is
+ENTRIES ARE TO BE SET BY MEASUREMENT ON THE H200 (benchmarks/dev/bench_moe_gemv.py). The one shape below is
 seeded from vLLM's tuned H200 table for E=128, N=768 (its unfused kernel; BLOCK_SIZE_N halved for our
 gated first GEMM, which keeps its grid and its work per program the same), not swept here; it was checked
 no slower than `default_grouped_config` up to T = 512 and faster at T = 2048 (benchmarks/RESULTS.md).
@@ -28,7 +28,7 @@ Config = dict[str, Any]
 
 # T at or below this goes to the decode path (per-route GEMVs reading only the chosen experts); above
 # it, the grouped GEMM: the decode path was faster up to T = 8 on Qwen3-30B-A3B, keeps the PDL chain and
-# needs 2 launches instead of 5 (to be confirmed by benchmarks/bench_moe.py).
+# needs 2 launches instead of 5 (to be confirmed by benchmarks/dev/bench_moe_gemv.py).
 DECODE_MAX_TOKENS = 8
 
 
@@ -58,10 +58,10 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 # columns per program), BLOCK_K, num_warps, num_stages; "down" may say how it covers the routes
 # (`down_routes`), and a route loop with one K chunk a route how many routes load before the PDL wait
 # ("early", default 1; kernels/moe_gemv.py). To be set by
-# measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints the entries;
-# benchmarks/decode_variants.py measures a tile inside the decode graph, which decides).
+# measurement on the H200 (benchmarks/dev/bench_moe_gemv.py --shape all prints the entries;
+# a tile measured inside the decode graph decides: benchmarks/dev/ab_decode.py).
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
-    # the best tiles of a bench_moe_gemv.py sweep (T = 1, k = 8, inside a CUDA graph)
+    # the best tiles of a benchmarks/dev/bench_moe_gemv.py sweep (T = 1, k = 8, inside a CUDA graph)
     (128, 2048, 768, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
                                   "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=2)},
     # Qwen3.6-35B-A3B (256 experts of 512, the shared expert stacked as a 9th route): chosen inside the batch-1

@@ -72,9 +72,9 @@ def fla_available() -> bool:
 # capped at dv; BV >= dv (one program per head) runs the gated output norm in the kernel's epilogue,
 # smaller tiles pay a separate norm launch. Each program keeps a [dk, BV] fp32 block of the state in
 # registers. Wider tiles win as the batch grows (at batch 64 the state traffic nears the memory bandwidth);
-# `python benchmarks/bench_gdn.py` sweeps these tiles and prints rows to paste here.
+# `python benchmarks/dev/bench_gdn.py` sweeps these tiles and prints rows to paste here.
 GDN_UPDATE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
-    # benchmarks/bench_gdn.py on the H200 (Qwen3.6: 32 value heads, fp32 state [128, 128] per head),
+    # benchmarks/dev/bench_gdn.py on the H200 (Qwen3.6: 32 value heads, fp32 state [128, 128] per head),
     # the layer's call with gates and output norm, in a CUDA graph over state slots past the L2:
     (255, 16, 1, 3),  # up to batch 7
     (511, 32, 1, 1),  # batch 8-15

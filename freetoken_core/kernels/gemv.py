@@ -2,7 +2,7 @@
 
 A batch-1 decode step reads every weight once, so each linear layer is a bandwidth problem.
 cuBLAS's tile choices for one row leave bandwidth unused on the projections of an 8B model
-(H200, weights cycled through far more memory than the L2, benchmarks/bench_gemv.py): QKV 76%,
+(H200, weights cycled through far more memory than the L2, benchmarks/dev/bench_gemv.py): QKV 76%,
 O 64%, down 90% of the copy bandwidth, plus a split-K reduce kernel for O and down. This kernel
 gives each program BLOCK_N output rows of W and the whole K, multiplies in fp32 registers and
 reduces once at the end: QKV 84%, O 74%, down 96% there (gate_up is at ~99% either way).
@@ -149,7 +149,7 @@ def _rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
 
 
 # Tiles per weight shape (N, K) where the defaults leave bandwidth unused (with N/16 programs a weight of
-# few output rows fills the SMs only once), chosen by `bench_gemv.py` sweeps (GEMV row of benchmarks/RESULTS.md).
+# few output rows fills the SMs only once), chosen by `benchmarks/dev/bench_gemv.py` sweeps (GEMV row of benchmarks/RESULTS.md).
 # Shapes not listed keep the defaults their own sweeps chose.
 _ROUTER_TILE = dict(block_n=2, block_k=2048, num_warps=8, num_stages=2)
 _LM_HEAD_TILE = dict(block_n=4, block_k=1024, num_warps=4, num_stages=2)
@@ -186,7 +186,7 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> bool:
 
 ROWS_GEMM_MAX_ROWS = 16  # tl.dot's smallest M tile: more rows go to cuBLAS
 # rows_gemm's launch configuration: the best sum over SmolLM2's four projections at 9 rows in
-# `bench_gemv.py --shape smollm2-135m --rows 9` on the H200 (benchmarks can override it)
+# `benchmarks/dev/bench_gemv.py --shape smollm2-135m --rows 9` on the H200 (benchmarks can override it)
 ROWS_GEMM_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
 # Larger weights stay on cuBLAS: the kernel beat it only on small weights, and on larger ones the PDL
 # chain it keeps did not pay for its slower matmuls (a whole 8B verify step was slower with it).

@@ -21,7 +21,7 @@ from .moe_router import rank_when_last
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
 
-# Tiles per weight shape (N, K), as gemv.GEMV_CONFIGS, chosen by `bench_gemv.py --shape ... --fused` sweeps
+# Tiles per weight shape (N, K), as gemv.GEMV_CONFIGS, chosen by `benchmarks/dev/bench_gemv.py --shape ... --fused` sweeps
 # (the fused-norm qkv projections of Qwen3-30B-A3B and Qwen3.6).
 NORM_GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (5120, 2048): dict(block_n=8, block_k=512, num_warps=4, num_stages=3),
@@ -34,7 +34,7 @@ NORM_GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
 
 
 def norm_gemv_config(n: int, k: int) -> dict[str, int]:
-    # bench_gemv.py --fused on the H200: 16/512/4 warps/2 stages was best for the 8B QKV (and gate_up)
+    # benchmarks/dev/bench_gemv.py --fused on the H200: 16/512/4 warps/2 stages was best for the 8B QKV (and gate_up)
     return NORM_GEMV_CONFIGS.get((n, k)) or dict(block_n=16, block_k=512 if k >= 4096 else 256, num_warps=4,
                                                   num_stages=2)
 

@@ -37,7 +37,7 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
         from ..kernels import gemv as triton_gemv, norm_gemv as triton_norm_gemv  # first CUDA use only
 
         # not for the gated MLP: there the fused kernel measured slower than the three it would
-        # replace (benchmarks/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)
+        # replace (benchmarks/dev/bench_gemv.py --fused: 64 vs 61 us on the 8B gate_up)
         if (not gated and triton_gemv.use_gemv(x, linear.weight, linear.gemv_min_elements)
                 and norm.weight.dtype == x.dtype and (residual is None or residual.stride(-1) == 1)):
             return triton_norm_gemv.norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias, gated,
