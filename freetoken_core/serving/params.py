@@ -23,7 +23,7 @@ SERVING_DEFAULTS: dict[str, str] = {
     # How often the engine thread asks Triton whether clients cancelled: each ask is an IPC round trip.
     "cancel_check_interval_ms": "200",
     # How often gauges/counters are pushed to Triton's metrics (also IPC); histograms go after each step's
-    # responses (serving/metrics.py).
+    # responses (serving/triton/metrics.py).
     "metrics_interval_ms": "500",
     # Ceiling on max_tokens per request (0 = only the context length limits it).
     "max_tokens_limit": "0",
@@ -39,7 +39,7 @@ SERVING_DEFAULTS: dict[str, str] = {
     # schedules after a cancel). Needs a decoupled detokenizer (`serve` renders it so), which costs
     # every streamed response one more IPC round trip; 0 = off: the cancel is noticed at the end.
     "nonstream_cancel_probe_ms": "0",
-    # Flow control of streamed ensemble responses (serving/engine_loop.py): how many a request may have
+    # Flow control of streamed ensemble responses (serving/engine_proc/engine_loop.py): how many a request may have
     # in the detokenizer's queue (sent, not yet acked). 0 = auto: with detok_send_order (the default) and
     # detok_inflight_budget (the default) 1, the least a stream gets of the budget (which then sets the window); with
     # send order alone or one detokenizer instance (one queue: in order anyway) 4; else 1 (what keeps a stream in
@@ -57,7 +57,7 @@ SERVING_DEFAULTS: dict[str, str] = {
     # the same tok/s and latency, one stream the same; SmolLM2 shape 1.26 where the last run without it read 1.55
     # (benchmarks/RESULTS.md, thirty-third session).
     "detok_inflight_budget": "128",
-    # 1: the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py:
+    # 1: the detokenizer instances keep each stream's responses in order themselves (serving/stream/send_order.py:
     # an order table in shared memory), so auto detok_max_inflight is 4 whatever the instance count and a
     # stream's last response never waits for an ack. Only with the decoupled detokenizer (the default): with a
     # plain one it is off (logged). On by default since the twenty-fifth session: on the H200, with the engine
@@ -66,24 +66,24 @@ SERVING_DEFAULTS: dict[str, str] = {
     # response of a stream in flight.
     "detok_send_order": "1",
     # 1: the engine (scheduler, model, sampling) runs in a child process with a GIL of its own, and this
-    # model's process only takes requests and sends responses (serving/engine_process.py); 0: the engine
+    # model's process only takes requests and sends responses (serving/engine_proc/engine_process.py); 0: the engine
     # thread runs in this process beside the sender (one GIL for both: slower at many streams).
     "engine_process": "1",
     # KiB of a shared-memory ring through which the engine process hands each step's messages to a `freetoken`
-    # instance (serving/msg_ring.py: a memory copy on the engine's thread instead of a pipe write that wakes the
+    # instance (serving/engine_proc/msg_ring.py: a memory copy on the engine's thread instead of a pipe write that wakes the
     # instance); 0 = the pipe (the default). Opt-in: on the H200 it raised throughput at 16 and 64 streams
     # (Llama-3.2-1B shape 64 streams +28%) but the instance then polls, so a stream's tokens arrive in lumps
     # (one stream: ~2.3 tokens a response instead of ~1.4) and one stream is no faster (RESULTS.md, nineteenth
     # session). x86-64 only (elsewhere: the pipe).
     "engine_msg_ring_kib": "0",
-    # how often (us) an instance with requests in flight looks into its ring (serving/msg_ring.py RING_POLL_S)
+    # how often (us) an instance with requests in flight looks into its ring (serving/engine_proc/msg_ring.py RING_POLL_S)
     "engine_msg_ring_poll_us": "500",
     # > 0: while at most one request is in flight, the two waiters on the engine process's pipe (the idle engine
     # process, the instance's engine thread) look this many us for the other's next message before they block
-    # (serving/spin.py): a wake-up of a blocked thread costs 50-110 us at the median on the H200 host. 0 = block at
+    # (serving/engine_proc/spin.py): a wake-up of a blocked thread costs 50-110 us at the median on the H200 host. 0 = block at
     # once (the default: measured on the H200 no gain at one stream, 1,331 -> 1,349 and 1,314 -> 1,314 tok/s).
     "idle_spin_us": "0",
-    # Threads that call the response sender's send() (serving/sender.py SendWorkers): each send is a
+    # Threads that call the response sender's send() (serving/stream/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
     # request stays on one thread (its order holds). 1 = the sender thread sends itself. 0 = auto: 2 with the
     # engine process on hosts of 16+ CPUs (where `serve` also runs 8 instances), else 1. On the H200 host 8
@@ -91,7 +91,7 @@ SERVING_DEFAULTS: dict[str, str] = {
     # result) for 6 of 1, at 1.38-1.40 tokens a response at 16 streams (RESULTS.md, twenty-eighth session).
     "sender_threads": "0",
     # 1: each served process (engine process, `freetoken`, tokenizer and detokenizer stubs) moves what is alive
-    # when its start-up ends out of the cyclic garbage collector's way (gc.freeze, serving/gc_freeze.py): a full
+    # when its start-up ends out of the cyclic garbage collector's way (gc.freeze, serving/engine_proc/gc_freeze.py): a full
     # collection walked ~300k start-up objects, 143-153 ms with the SmolLM2 engine on the CPU box, ~0 ms after; 0:
     # Python's collector as it is. `serve` copies it to the text models' configs.
     "gc_freeze": "1",
@@ -100,7 +100,7 @@ SERVING_DEFAULTS: dict[str, str] = {
 
 # Serving-only knobs whose values are text, not numbers.
 SERVING_TEXT_DEFAULTS: dict[str, str] = {
-    # CPUs of the engine process's own, apart from the rest of the server (serving/cpu_affinity.py): "" / "off", a
+    # CPUs of the engine process's own, apart from the rest of the server (serving/engine_proc/cpu_affinity.py): "" / "off", a
     # CPU list ("15", "14-15") or "auto" (the last physical core per rank, on hosts of 8+ CPUs where that is at most
     # a quarter of them; else off). H200 host, 64 streams: +15-17% tok/s (benchmarks/RESULTS.md, twenty-first session).
     "engine_cpus": "auto",
@@ -112,7 +112,7 @@ SERVING_TEXT_DEFAULTS: dict[str, str] = {
     "optional_outputs": "all",
 }
 
-# String parameters for tests only (serving/faults.py); empty in production.
+# String parameters for tests only (serving/engine_proc/faults.py); empty in production.
 TEST_PARAMS: dict[str, str] = {"fault_injection": ""}
 
 
@@ -219,7 +219,7 @@ def msg_ring(options: Mapping[str, float]) -> tuple[int, float]:
 
 
 def idle_spin(options: Mapping[str, float]) -> float:
-    """Seconds the two waiters on the engine process's pipe spin before they block (serving/spin.py); 0 = never."""
+    """Seconds the two waiters on the engine process's pipe spin before they block (serving/engine_proc/spin.py); 0 = never."""
     value = options["idle_spin_us"]
     if not 0 <= value <= 100_000:
         raise ValueError(f"serving parameter idle_spin_us must be from 0 (off) to 100000 (0.1 s), got {value:g}")

@@ -1,4 +1,4 @@
-"""gc_freeze (serving/gc_freeze.py): each served process moves its start-up heap out of the cyclic garbage
+"""gc_freeze (serving/engine_proc/gc_freeze.py): each served process moves its start-up heap out of the cyclic garbage
 collector's way once start-up ends, so a full collection on the served path no longer walks it."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_core.serving.gc_freeze import freeze_startup_heap, freeze_text_model, gc_freeze_wanted
-from freetoken_core.serving.launcher import get_parameter, render_repository
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap, freeze_text_model, gc_freeze_wanted
+from freetoken_core.serving.launch.repository import get_parameter, render_repository
 
 
 @pytest.fixture

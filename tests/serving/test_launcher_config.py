@@ -4,9 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_core.serving.launcher import (
-    free_ports, get_parameter, render_repository, set_parameter, source_repository,
-)
+from freetoken_core.serving.launch.server import free_ports
+from freetoken_core.serving.launch.repository import get_parameter, render_repository, set_parameter, source_repository
 from freetoken_core.serving.params import (
     engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
 )
@@ -64,7 +63,7 @@ def test_free_ports_distinct():
 
 
 def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path: Path):
-    from freetoken_core.serving.freetoken_model import check_detokenizer_decoupled
+    from freetoken_core.serving.triton.freetoken_model import check_detokenizer_decoupled
 
     plain = render_repository(tmp_path / "plain", {"model_path": "/m"}, {})
     # decoupled always now (issue 13: it acks a response after its send); a plain one is refused with probes
@@ -84,7 +83,7 @@ def test_send_order_is_on_by_default_and_off_with_a_plain_detokenizer(tmp_path: 
     """detok_send_order (on by default since the twenty-fifth session) needs the decoupled detokenizer, which
     marks a response sent only after its send(): with a plain one the engine keeps one response of a stream in
     flight instead of refusing to start."""
-    from freetoken_core.serving.freetoken_model import max_inflight, send_order_enabled
+    from freetoken_core.serving.triton.freetoken_model import max_inflight, send_order_enabled
 
     assert serving_options({})["detok_send_order"] == 1
     repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
@@ -122,8 +121,8 @@ def test_fla_core_is_in_the_gpu_extra_and_the_image_but_never_in_the_test_venv()
 
 
 def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
-    from freetoken_core.serving.freetoken_model import max_inflight
-    from freetoken_core.serving.launcher import default_detokenizer_instances
+    from freetoken_core.serving.triton.freetoken_model import max_inflight
+    from freetoken_core.serving.launch.repository import default_detokenizer_instances
 
     assert [default_detokenizer_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 2, 3, 16, 16]
     one = render_repository(tmp_path / "one", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "1"})
@@ -136,7 +135,7 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
 
 
 def test_default_freetoken_instances_eight_on_big_hosts_one_without_an_engine_process():
-    from freetoken_core.serving.launcher import default_freetoken_instances
+    from freetoken_core.serving.launch.repository import default_freetoken_instances
 
     assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 8, 8]
     assert default_freetoken_instances(64, engine_process=False) == 1
@@ -188,11 +187,11 @@ def test_optional_outputs_parameter():
 
 def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path: Path):
     """FREETOKEN_FREETOKEN_INSTANCES=N renders N `freetoken` instances (they share one engine process,
-    serving/engine_share.py); N > 1 with the engine in the model's own process would start N engines on
+    serving/engine_proc/engine_share.py); N > 1 with the engine in the model's own process would start N engines on
     one GPU, so it is refused with a message that says what to change."""
     import json
 
-    from freetoken_core.serving.freetoken_model import FreetokenModel, model_instance_count
+    from freetoken_core.serving.triton.freetoken_model import FreetokenModel, model_instance_count
 
     repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_FREETOKEN_INSTANCES": "2"})
     assert "count: 2" in (repo / "freetoken" / "config.pbtxt").read_text()
@@ -209,7 +208,7 @@ def test_a_reload_with_an_edited_config_meets_in_a_new_place(tmp_path: Path):
     the old load's engine, so the rendezvous name changes with the config file."""
     import os
 
-    from freetoken_core.serving.freetoken_model import load_identity
+    from freetoken_core.serving.triton.freetoken_model import load_identity
 
     cfg = tmp_path / "config.pbtxt"
     cfg.write_text("name: 'freetoken'")
@@ -226,7 +225,7 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
     import argparse
     from types import SimpleNamespace
 
-    from freetoken_core.serving import launcher
+    from freetoken_core.serving.launch import serve as launcher
 
     seen = {}
 
@@ -250,7 +249,7 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
 def test_inflight_budget_is_shared_out_per_instance_and_needs_send_order():
     """detok_inflight_budget (128 by default, 0 off): each `freetoken` instance gets its part, rounded up; without
     detok_send_order it is ignored (a larger window could reorder a stream across detokenizer instances)."""
-    from freetoken_core.serving.freetoken_model import ordered_inflight_budget
+    from freetoken_core.serving.triton.freetoken_model import ordered_inflight_budget
     from freetoken_core.serving.params import inflight_budget
 
     assert serving_options({})["detok_inflight_budget"] == 128

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from freetoken_core.serving.request import parse_request, parse_sampling_parameters
+from freetoken_core.serving.triton.request import parse_request, parse_sampling_parameters
 
 
 def _t(**kw):
@@ -100,7 +100,7 @@ def test_return_flags_false_omit_their_outputs():
 
 def test_build_outputs_honours_omit_and_sends_cancel_key_only_when_set():
     from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.response import build_outputs
+    from freetoken_core.serving.triton.response import build_outputs
 
     msg = DetokenizeMsg(uid=1, next_tokens=[5], finished=True, finish_reason="length", num_prompt_tokens=3,
                         num_output_tokens=1)

@@ -1,4 +1,4 @@
-"""idle_spin_us (serving/spin.py): across the engine process's pipe, the waiters of a lone request look for their
+"""idle_spin_us (serving/engine_proc/spin.py): across the engine process's pipe, the waiters of a lone request look for their
 next message a while before they block. What it buys is measured on the GPU host (benchmarks/); here: that a spin
 wakes on the hand-off and gives up after its time. The engine process and its client spinning are tested with a
 real child in test_engine_process.py, a served run with it on in test_batched_streams.py."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from freetoken_core.serving.spin import spin_until
+from freetoken_core.serving.engine_proc.spin import spin_until
 
 
 def test_spin_sees_the_hand_off_of_another_thread():

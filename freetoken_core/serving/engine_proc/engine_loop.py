@@ -3,8 +3,8 @@
 Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
 thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
 round trip to the server), runs `Scheduler.step()` (or takes the steps of the engine process,
-serving/engine_process.py) and hands each step's messages to the sender thread in one item
-(serving/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
+serving/engine_proc/engine_process.py) and hands each step's messages to the sender thread in one item
+(serving/stream/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
 detokenizer's acks) and sends.
 
 Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.metrics import EngineMetrics
-from freetoken_core.serving.request import ParsedRequest
-from freetoken_core.serving.cancel import CancelChannel
-from freetoken_core.serving.faults import is_device_fatal
-from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, build_probe
-from freetoken_core.serving.sender import ResponseSender, Transport
+from freetoken_core.serving.triton.metrics import EngineMetrics
+from freetoken_core.serving.triton.request import ParsedRequest
+from freetoken_core.serving.stream.cancel import CancelChannel
+from freetoken_core.serving.engine_proc.faults import is_device_fatal
+from freetoken_core.serving.triton.response import build_ensemble_outputs, build_outputs, build_probe
+from freetoken_core.serving.stream.sender import ResponseSender, Transport
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ class LoopOptions:
     # because a late ack that is waited for keeps order across detokenizer instances, one not waited for
     # may not; a stream whose ack never comes is cancelled or failed by the other paths long before
     ack_lost_s: float = 30.0
-    # threads that call transport.send (serving/sender.py SendWorkers); 1 = the sender thread itself
+    # threads that call transport.send (serving/stream/sender.py SendWorkers); 1 = the sender thread itself
     sender_threads: int = 1
-    # the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py), so
+    # the detokenizer instances keep each stream's responses in order themselves (serving/stream/send_order.py), so
     # a stream may have max_inflight responses in flight across several instances, and its last response
     # never waits for an ack
     send_order: bool = False
@@ -69,7 +69,7 @@ class LoopOptions:
     # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
     # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)
     inline_send_max: int = 2
-    # what the ensemble's slim responses carry to prove they come from this server (serving/ensemble_secret.py)
+    # what the ensemble's slim responses carry to prove they come from this server (serving/triton/ensemble_secret.py)
     route_tag: tuple[int, int] = (0, 0)
 
 
@@ -124,13 +124,13 @@ class EngineLoop:
     def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
                  metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None) -> None:
         self.sched = scheduler
-        # called once (from the engine thread) when the device became unusable (serving/faults.py)
+        # called once (from the engine thread) when the device became unusable (serving/engine_proc/faults.py)
         self.on_device_fatal = on_device_fatal
         self.dead: str | None = None  # why this engine can serve no more (set once, never cleared)
         self.transport = transport
         self.opt = options or LoopOptions()
         self.metrics = metrics or EngineMetrics()
-        # the engine runs in another process (serving/engine_process.py EngineClient): its add_request may be called
+        # the engine runs in another process (serving/engine_proc/engine_process.py EngineClient): its add_request may be called
         # from execute()'s thread, and this loop's engine thread only collects the messages it sends
         self._remote = bool(getattr(scheduler, "remote", False))
         # (handle, request, when execute() handed it over, its uid when execute()'s thread already added it)
@@ -244,7 +244,7 @@ class EngineLoop:
 
     def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg]:
         """A step fault fails the requests of the step(s) in flight, and the engine serves on; a
-        device fault (sticky CUDA error) fails everything and ends this engine (serving/faults.py)."""
+        device fault (sticky CUDA error) fails everything and ends this engine (serving/engine_proc/faults.py)."""
         what = f"{type(e).__name__}: {e}"
         if not is_device_fatal(e):
             log.exception("engine step failed: failing the requests of the step(s) in flight")

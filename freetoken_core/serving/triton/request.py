@@ -42,8 +42,8 @@ class ParsedRequest:
     # outputs the client turned off (return_finish_reason / return_num_input_tokens /
     # return_num_output_tokens = false): left out of every response, as TensorRT-LLM's ensemble does
     omit_outputs: frozenset[str] = frozenset()
-    # the request came through the ensemble (its tokenizer step proved it: serving/ensemble_secret.py): responses
-    # carry a cancel key for the detokenizer (serving/cancel.py); a direct client never sees a cancel field
+    # the request came through the ensemble (its tokenizer step proved it: serving/triton/ensemble_secret.py): responses
+    # carry a cancel key for the detokenizer (serving/stream/cancel.py); a direct client never sees a cancel field
     from_ensemble: bool = False
     # set by the ensemble's tokenizer step too: its detokenizer acks each streamed response, and the
     # engine paces the stream by them (flow control); a client emulating the tokenizer without a

@@ -1,7 +1,7 @@
-"""The child side of serving/engine_process.py: the engine process's main and its loop.
+"""The child side of serving/engine_proc/engine_process.py: the engine process's main and its loop.
 
 `EngineServer` takes the commands of the instance that started it (connection 0: a pipe pair) and, for
-a shared engine (serving/engine_share.py), of the members that joined on its listener; it steps the
+a shared engine (serving/engine_proc/engine_share.py), of the members that joined on its listener; it steps the
 Scheduler back to back and sends each message to the instance whose request it is.
 """
 
@@ -20,14 +20,14 @@ from typing import Any
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.lifetime import watch_parent
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_process
-from freetoken_core.serving.engine_share import MAX_INSTANCES
-from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
-from freetoken_core.serving.gc_freeze import freeze_startup_heap
-from freetoken_core.serving.heap_trim import HeapTrimmer
-from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
+from freetoken_core.serving.engine_proc.cpu_affinity import format_cpu_list, pin_this_process
+from freetoken_core.serving.engine_proc.engine_share import MAX_INSTANCES
+from freetoken_core.serving.engine_proc.faults import FaultSpec, install_fault_hook, is_device_fatal
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap
+from freetoken_core.serving.engine_proc.heap_trim import HeapTrimmer
+from freetoken_core.serving.engine_proc.msg_ring import FULL_WAIT_S, MsgRing, supported
 from freetoken_core.serving.report import REPORT_INTERVAL_S, configure_logging, percentile
-from freetoken_core.serving.spin import spin_until
+from freetoken_core.serving.engine_proc.spin import spin_until
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def decode(fields: tuple) -> DetokenizeMsg:
 
 
 def make_ring(capacity: int) -> MsgRing | None:
-    """A message ring for one instance (serving/msg_ring.py), or None: off (capacity 0), not on this CPU, or
+    """A message ring for one instance (serving/engine_proc/msg_ring.py), or None: off (capacity 0), not on this CPU, or
     no room in shared memory (then the pipe carries the messages, as it always can)."""
     if capacity <= 0 or not supported():
         return None
@@ -78,7 +78,7 @@ class ChildOptions:
 
     ring_bytes: int = 0  # engine_msg_ring_kib: each instance's shared-memory message ring (0: the pipe)
     engine_cpus: frozenset[int] = frozenset()  # engine_cpus: the CPUs this process moves onto (empty: stays)
-    idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/spin.py)
+    idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/engine_proc/spin.py)
     gc_freeze: bool = True  # gc_freeze: this process's start-up heap out of the garbage collector's way (gc_freeze.py)
 
 
@@ -121,14 +121,14 @@ class EngineServer:
     side ever blocks on a full pipe), step the scheduler back to back while it has work, send each
     step's messages at once, each to the instance whose request it is. Connection 0 is the owner's
     pipe pair; a shared engine accepts members on `listener` (1, 2, ...). With `ring_bytes` each
-    instance's step messages go through a shared-memory ring of its own (serving/msg_ring.py; `ring`:
+    instance's step messages go through a shared-memory ring of its own (serving/engine_proc/msg_ring.py; `ring`:
     the owner's, made before the ready message), everything else over its connection."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
                  ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0,
                  idle_spin_s: float = 0.0) -> None:
         self.sched = sched
-        self.idle_spin_s = idle_spin_s  # serving/spin.py: how long an idle engine looks for the next command
+        self.idle_spin_s = idle_spin_s  # serving/engine_proc/spin.py: how long an idle engine looks for the next command
         self.outs: dict[int, Any] = {0: out_conn}
         self.rings: dict[int, MsgRing] = {0: ring} if ring is not None else {}
         self.ring_bytes = ring_bytes
@@ -309,7 +309,7 @@ class EngineServer:
 
     def _take_commands(self, block: bool) -> None:
         if block and self.idle_spin_s > 0 and spin_until(lambda: not self.commands.empty(), self.idle_spin_s):
-            block = False  # a command came while this thread looked (serving/spin.py)
+            block = False  # a command came while this thread looked (serving/engine_proc/spin.py)
         while True:
             try:
                 index, cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()

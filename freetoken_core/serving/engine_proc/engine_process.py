@@ -12,7 +12,7 @@ child; a request the child refuses comes back as a message with finish_reason "e
 scheduler's own words. `step()` returns the messages the child produced since the last call (the
 child steps on its own, back to back). Every message keeps its order: one pipe, one reader.
 
-Shared (`share`: serving/engine_share.py): several `freetoken` model instances, one engine. The
+Shared (`share`: serving/engine_proc/engine_share.py): several `freetoken` model instances, one engine. The
 instance that wins the rendezvous starts the child, which also listens on an AF_UNIX socket; the
 others connect there and get the same interface. Each instance's request ids carry its index in the
 low INDEX_BITS, and the child sends each message to the instance whose request it is. An instance
@@ -21,7 +21,7 @@ with an error saying so (not a device fault: nothing unloads).
 
 Faults: a step fault is handled inside the child (Scheduler.fail_step, as in the stub); a device
 fault, a child that fails to start or one that exits, ends this engine: `step()` raises
-`EngineProcessError`, which serving/faults.py counts as device-fatal (every request gets its FINAL
+`EngineProcessError`, which serving/engine_proc/faults.py counts as device-fatal (every request gets its FINAL
 error and the model unloads itself).
 """
 
@@ -37,18 +37,18 @@ from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg, EngineStats
-from freetoken_core.serving.engine_server import ChildOptions, decode, engine_main
-from freetoken_core.serving.engine_share import INDEX_BITS, EngineRendezvous
-from freetoken_core.serving.faults import DeviceFatalError, FaultSpec
-from freetoken_core.serving.msg_ring import RING_POLL_S, MsgRing
-from freetoken_core.serving.spin import SPIN_MAX_ACTIVE, spin_until
+from freetoken_core.serving.engine_proc.engine_server import ChildOptions, decode, engine_main
+from freetoken_core.serving.engine_proc.engine_share import INDEX_BITS, EngineRendezvous
+from freetoken_core.serving.engine_proc.faults import DeviceFatalError, FaultSpec
+from freetoken_core.serving.engine_proc.msg_ring import RING_POLL_S, MsgRing
+from freetoken_core.serving.engine_proc.spin import SPIN_MAX_ACTIVE, spin_until
 from freetoken_core.spawn import spawn_context
 
 log = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.002  # how long step() waits for the child's next messages before the loop looks around
 MEMBER_READY_TIMEOUT_S = 1800.0  # a member waits this long for the owner's engine build (GGUF conversion...)
-RING_BYTES = 1 << 20  # a shared-memory message ring's size when one is asked for (serving/msg_ring.py)
+RING_BYTES = 1 << 20  # a shared-memory message ring's size when one is asked for (serving/engine_proc/msg_ring.py)
 
 
 class EngineProcessError(DeviceFatalError):
@@ -63,10 +63,10 @@ class EngineClient:
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
                  ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
                  idle_spin_s: float = 0.0, gc_freeze: bool = True) -> None:
-        """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started).
-        gc_freeze: the child freezes its start-up heap (serving/gc_freeze.py).
+        """engine_cpus: the CPUs the child moves onto (serving/engine_proc/cpu_affinity.py; empty = where it is started).
+        gc_freeze: the child freezes its start-up heap (serving/engine_proc/gc_freeze.py).
         idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
-        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py). The child's options are the owner's: a member of a
+        SPIN_MAX_ACTIVE requests are in flight (serving/engine_proc/spin.py). The child's options are the owner's: a member of a
         shared engine joins it as it runs."""
         self.step_wait_s = step_wait_s
         self.idle_spin_s = idle_spin_s
@@ -155,7 +155,7 @@ class EngineClient:
         return f"the engine process exited (code {self._proc.exitcode}) {when}"
 
     # --- the Scheduler's interface -----------------------------------------------------------
-    # add_request may come from another thread than the rest (serving/engine_loop.py: execute()'s, so that a
+    # add_request may come from another thread than the rest (serving/engine_proc/engine_loop.py: execute()'s, so that a
     # request goes to the engine without waiting for the engine thread's wake-up); the rest is one thread's
     remote = True
 
@@ -195,7 +195,7 @@ class EngineClient:
         return self._stats.num_running + self._stats.num_waiting
 
     def _few_in_flight(self) -> bool:
-        """Whether to spin for the engine's next message (serving/spin.py): this instance's requests and the
+        """Whether to spin for the engine's next message (serving/engine_proc/spin.py): this instance's requests and the
         engine's whole load both at most SPIN_MAX_ACTIVE."""
         return len(self._outstanding) <= SPIN_MAX_ACTIVE and self.engine_load <= SPIN_MAX_ACTIVE
 

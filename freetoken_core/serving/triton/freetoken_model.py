@@ -15,20 +15,20 @@ from typing import Any
 
 import numpy as np
 
-from freetoken_core.serving.cpu_affinity import engine_cpus_of_model
-from freetoken_core.serving.ensemble_secret import is_ensemble_key, route_tag
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
-from freetoken_core.serving.gc_freeze import freeze_startup_heap, gc_freeze_wanted
+from freetoken_core.serving.engine_proc.cpu_affinity import engine_cpus_of_model
+from freetoken_core.serving.triton.ensemble_secret import is_ensemble_key, route_tag
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.engine_proc.faults import InjectedFault, install_fault_hook, parse_fault_specs
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap, gc_freeze_wanted
 from freetoken_core.lifetime import kill_children, watch_parent
-from freetoken_core.serving.metrics import TritonMetrics
+from freetoken_core.serving.triton.metrics import TritonMetrics
 from freetoken_core.serving.params import (
     engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
     inflight_budget, serving_options, stream_interval,
 )
 from freetoken_core.serving.report import configure_logging
-from freetoken_core.serving.request import _scalar, _text, parse_request
-from freetoken_core.serving.triton_io import input_arrays
+from freetoken_core.serving.triton.request import _scalar, _text, parse_request
+from freetoken_core.serving.triton.triton_io import input_arrays
 from freetoken_core.tokenizer.tokenize import config_vocab_size
 
 log = logging.getLogger("freetoken_core.serving")
@@ -103,7 +103,7 @@ def load_identity(args: dict[str, Any]) -> str:
     """What the instances of one load of this model agree on: name, version and the config file's
     mtime, so that a reload with an edited config (Triton loads the new instances before it unloads the
     old ones) starts an engine of its own instead of joining the old one. A reload of unchanged files
-    while loaded would join the old engine: unload, then load (serving/engine_share.py)."""
+    while loaded would join the old engine: unload, then load (serving/engine_proc/engine_share.py)."""
     repo = args.get("model_repository")
     try:
         stamp = f"-{(Path(repo) / 'config.pbtxt').stat().st_mtime_ns}" if repo else ""
@@ -143,7 +143,7 @@ def max_inflight(option: float, model_dir: str, send_order: bool = False, budget
 
 def from_ensemble(tensors: dict[str, np.ndarray]) -> bool:
     """Whether the ensemble's tokenizer step sent this request: its `ensemble_key` is the server's secret. A
-    client that sends one is refused, whatever it holds (serving/ensemble_secret.py)."""
+    client that sends one is refused, whatever it holds (serving/triton/ensemble_secret.py)."""
     key = tensors.get("ensemble_key")
     if key is None:
         return False
@@ -196,8 +196,8 @@ class FreetokenModel:
         engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size,
                                            engine_process=bool(self.options["engine_process"]))
         if self.options["engine_process"]:
-            from freetoken_core.serving.engine_process import EngineClient
-            from freetoken_core.serving.engine_share import MAX_INSTANCES, EngineRendezvous
+            from freetoken_core.serving.engine_proc.engine_process import EngineClient
+            from freetoken_core.serving.engine_proc.engine_share import MAX_INSTANCES, EngineRendezvous
 
             if instances > MAX_INSTANCES:
                 raise ValueError(f"{self.model_name} has {instances} instances; one engine serves at most "
