@@ -78,11 +78,6 @@ SERVING_DEFAULTS: dict[str, str] = {
     "engine_msg_ring_kib": "0",
     # how often (us) an instance with requests in flight looks into its ring (serving/engine_proc/msg_ring.py RING_POLL_S)
     "engine_msg_ring_poll_us": "500",
-    # > 0: while at most one request is in flight, the two waiters on the engine process's pipe (the idle engine
-    # process, the instance's engine thread) look this many us for the other's next message before they block
-    # (serving/engine_proc/spin.py): a wake-up of a blocked thread costs 50-110 us at the median on the H200 host. 0 = block at
-    # once (the default: measured on the H200 no gain at one stream, 1,331 -> 1,349 and 1,314 -> 1,314 tok/s).
-    "idle_spin_us": "0",
     # Threads that call the response sender's send() (serving/stream/sender.py SendWorkers): each send is a
     # round trip to a server thread with the GIL released, so N threads keep N responses in flight; a
     # request stays on one thread (its order holds). 1 = the sender thread sends itself. 0 = auto: 2 with the
@@ -104,12 +99,6 @@ SERVING_TEXT_DEFAULTS: dict[str, str] = {
     # CPU list ("15", "14-15") or "auto" (the last physical core per rank, on hosts of 8+ CPUs where that is at most
     # a quarter of them; else off). H200 host, 64 streams: +15-17% tok/s (benchmarks/RESULTS.md, twenty-first session).
     "engine_cpus": "auto",
-    # The optional outputs finish_reason, num_input_tokens, num_output_tokens when the client leaves its
-    # return_<name> input out: "all" sends them (the default), "asked" only with return_<name>=true, as the vLLM
-    # backend does: a streamed response then carries 2 tensors instead of 5 (each ~14 us of the detokenizer's
-    # execute on the CPU box, benchmarks/RESULTS.md twentieth session, plus Triton's and gRPC's share). On the H200
-    # host: 16 streams +2.5%, 64 streams -20% (more responses of fewer tokens each), so "all" stays.
-    "optional_outputs": "all",
 }
 
 # String parameters for tests only (serving/engine_proc/faults.py); empty in production.
@@ -216,22 +205,6 @@ def msg_ring(options: Mapping[str, float]) -> tuple[int, float]:
     if not 10 <= poll_us <= 2000:
         raise ValueError(f"serving parameter engine_msg_ring_poll_us must be from 10 to 2000, got {poll_us:g}")
     return int(kib) * 1024, poll_us / 1e6
-
-
-def idle_spin(options: Mapping[str, float]) -> float:
-    """Seconds the two waiters on the engine process's pipe spin before they block (serving/engine_proc/spin.py); 0 = never."""
-    value = options["idle_spin_us"]
-    if not 0 <= value <= 100_000:
-        raise ValueError(f"serving parameter idle_spin_us must be from 0 (off) to 100000 (0.1 s), got {value:g}")
-    return value / 1e6
-
-
-def send_unasked_outputs(params: Mapping[str, str]) -> bool:
-    """optional_outputs: whether a response carries the optional outputs its client did not ask for."""
-    value = (params.get("optional_outputs") or "all").strip().lower()
-    if value not in ("all", "asked"):
-        raise ValueError(f"serving parameter optional_outputs must be 'all' or 'asked', got {value!r}")
-    return value == "all"
 
 
 def inflight_budget(options: Mapping[str, float], instances: int) -> int:

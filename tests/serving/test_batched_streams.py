@@ -74,18 +74,17 @@ def scaled_out(smollm2_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ordered_out(smollm2_path, tmp_path_factory):
     """Two detokenizer instances that keep each stream in order themselves (detok_send_order): four
-    responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the waiters on
-    the engine process's pipe spin before they block (idle_spin_us), the engine process runs on a CPU of its own
-    with the rest of the server on the others (engine_cpus, where the host has two or more), the optional
-    outputs go only to clients that ask for them (optional_outputs=asked), two send workers share the
+    responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the engine
+    process runs on a CPU of its own with the rest of the server on the others (engine_cpus, where the host has
+    two or more), two send workers share the
     numbered responses (sender_threads=2: each stream on one worker, beside the order table), and an inflight
     budget (detok_inflight_budget=64: 4 a stream while 16 or more run, up to 64 for the last one)."""
     workdir = tmp_path_factory.mktemp("triton-ordered")
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus = str(cpus[-1]) if len(cpus) > 1 else ""
     handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
-                           {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus,
-                            "optional_outputs": "asked", "sender_threads": "2", "detok_inflight_budget": "64"})
+                           {"detok_send_order": "1", "engine_cpus": engine_cpus, "sender_threads": "2",
+                            "detok_inflight_budget": "64"})
     assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
     from freetoken_core.serving.launch.repository import get_parameter
 
@@ -148,8 +147,8 @@ def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_
         assert r["finals"] == 1 and r["after_final"] == 0, (i, r)
         assert r["tokens"] == ref.token_ids, (i, r["tokens"], ref.token_ids)
         assert r["text"].decode("utf-8") == ref.text, (i, r["text"], ref.text)
-        # optional outputs: all of them unless the server sends only those asked for; logprobs only when asked
-        expected = set() if server == "ordered_out" else {"finish_reason", "num_input_tokens", "num_output_tokens"}
+        # optional outputs: all of them; logprobs only when asked
+        expected = {"finish_reason", "num_input_tokens", "num_output_tokens"}
         assert r["optional"] == expected, (i, r["optional"])
     after = scrape_metrics(triton_server.metrics_url)
     reqs = metric(after, "nv_inference_request_success", model="detokenizer") - \

@@ -37,13 +37,11 @@ PINNED_CPUS = frozenset({max(os.sched_getaffinity(0))}) if len(os.sched_getaffin
 @pytest.fixture(scope="module", params=["ring", "pipe"])
 def client(smollm2_path, request):
     """The step messages through the shared-memory ring (opt-in, serving/engine_proc/msg_ring.py) and over the pipe (with the
-    engine process on a CPU of its own and both sides spinning: opt-in too)."""
+    engine process on a CPU of its own: opt-in too)."""
     ring_bytes = RING_BYTES if request.param == "ring" else 0
     engine_cpus = PINNED_CPUS if request.param == "pipe" else frozenset()
-    # the pipe client and its engine process also spin for each other's messages before they block (serving/engine_proc/spin.py)
     c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
-                     ring_bytes=ring_bytes, engine_cpus=engine_cpus,
-                     idle_spin_s=0.002 if request.param == "pipe" else 0.0)
+                     ring_bytes=ring_bytes, engine_cpus=engine_cpus)
     c.asked_cpus = engine_cpus
     assert (c._ring is not None) == (ring_bytes > 0 and ring_supported())
     yield c
@@ -262,42 +260,6 @@ def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
         for c in (late, member, owner):
             if c is not None:
                 c.close()
-
-
-def test_the_client_spins_only_while_the_whole_engine_is_nearly_idle(client):
-    """idle_spin_s: one request of this instance in a shared engine busy with other instances' requests is no
-    reason to spin (serving/engine_proc/spin.py SPIN_MAX_ACTIVE); the engine's latest snapshot says how busy it is."""
-    import dataclasses
-
-    saved = client._stats
-    try:
-        client._stats = dataclasses.replace(saved, num_running=1, num_waiting=0)
-        assert client.engine_load == 1 and client._few_in_flight()
-        client._stats = dataclasses.replace(saved, num_running=3, num_waiting=2)
-        assert client.engine_load == 5 and not client._few_in_flight()
-    finally:
-        client._stats = saved
-
-
-def test_the_pipe_client_spins_for_a_lone_requests_messages(llm, client, monkeypatch):
-    """idle_spin_s (the pipe client here): a lone request's step messages are looked for before the client blocks;
-    the ring client polls its ring instead and never spins."""
-    from freetoken_core.serving.engine_proc import engine_process
-    from freetoken_core.serving.engine_proc.spin import spin_until
-
-    looks = []
-
-    def counting(ready, spin_s):
-        looks.append(spin_s)
-        return spin_until(ready, spin_s)
-
-    monkeypatch.setattr(engine_process, "spin_until", counting)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    uid = client.add_request(llm.encode("Hi"), params)
-    out = run_all(client)
-    assert [t for m in out[uid] for t in m.next_tokens] == llm.generate(["Hi"], params)[0].token_ids
-    assert bool(looks) == (client.idle_spin_s > 0 and client._ring is None)
-    assert all(0 < s <= client.idle_spin_s for s in looks)
 
 
 class CountingScheduler:

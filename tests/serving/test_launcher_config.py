@@ -166,25 +166,6 @@ def test_message_ring_parameters():
             msg_ring(serving_options({name: bad}))
 
 
-def test_idle_spin_parameter():
-    from freetoken_core.serving.params import idle_spin, serving_options
-
-    assert idle_spin(serving_options({})) == 0.0  # off by default: block at once
-    assert idle_spin(serving_options({"idle_spin_us": "5000"})) == 5e-3
-    for bad in ("-1", "100001"):
-        with pytest.raises(ValueError, match="idle_spin_us must be from 0"):
-            idle_spin(serving_options({"idle_spin_us": bad}))
-
-
-def test_optional_outputs_parameter():
-    from freetoken_core.serving.params import send_unasked_outputs
-
-    assert send_unasked_outputs({}) and send_unasked_outputs({"optional_outputs": "all"})
-    assert not send_unasked_outputs({"optional_outputs": " Asked "})
-    with pytest.raises(ValueError, match="optional_outputs must be 'all' or 'asked'"):
-        send_unasked_outputs({"optional_outputs": "some"})
-
-
 def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path: Path):
     """FREETOKEN_FREETOKEN_INSTANCES=N renders N `freetoken` instances (they share one engine process,
     serving/engine_proc/engine_share.py); N > 1 with the engine in the model's own process would start N engines on

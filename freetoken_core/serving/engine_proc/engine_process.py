@@ -41,7 +41,6 @@ from freetoken_core.serving.engine_proc.engine_server import ChildOptions, decod
 from freetoken_core.serving.engine_proc.engine_share import INDEX_BITS, EngineRendezvous
 from freetoken_core.serving.engine_proc.faults import DeviceFatalError, FaultSpec
 from freetoken_core.serving.engine_proc.msg_ring import RING_POLL_S, MsgRing
-from freetoken_core.serving.engine_proc.spin import SPIN_MAX_ACTIVE, spin_until
 from freetoken_core.spawn import spawn_context
 
 log = logging.getLogger(__name__)
@@ -62,14 +61,11 @@ class EngineClient:
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
                  ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
-                 idle_spin_s: float = 0.0, gc_freeze: bool = True) -> None:
+                 gc_freeze: bool = True) -> None:
         """engine_cpus: the CPUs the child moves onto (serving/engine_proc/cpu_affinity.py; empty = where it is started).
         gc_freeze: the child freezes its start-up heap (serving/engine_proc/gc_freeze.py).
-        idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
-        SPIN_MAX_ACTIVE requests are in flight (serving/engine_proc/spin.py). The child's options are the owner's: a member of a
-        shared engine joins it as it runs."""
+        The child's options are the owner's: a member of a shared engine joins it as it runs."""
         self.step_wait_s = step_wait_s
-        self.idle_spin_s = idle_spin_s
         self.ring_poll_s = ring_poll_s
         self._ring: MsgRing | None = None  # the step messages' ring, when the engine made one for this instance
         self._uids = 0
@@ -84,7 +80,7 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s, gc_freeze))
+            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, gc_freeze))
         else:
             self._connect(share, member_ready_timeout_s)
 
@@ -194,11 +190,6 @@ class EngineClient:
         it is busy)."""
         return self._stats.num_running + self._stats.num_waiting
 
-    def _few_in_flight(self) -> bool:
-        """Whether to spin for the engine's next message (serving/engine_proc/spin.py): this instance's requests and the
-        engine's whole load both at most SPIN_MAX_ACTIVE."""
-        return len(self._outstanding) <= SPIN_MAX_ACTIVE and self.engine_load <= SPIN_MAX_ACTIVE
-
     def stats(self) -> EngineStats:
         """The child's latest snapshot (sent every STATS_INTERVAL_S while busy and when it goes idle).
         Reads what waits in the pipe first: once idle, nothing else would (step() runs only with work)."""
@@ -229,9 +220,6 @@ class EngineClient:
                         time.sleep(self.ring_poll_s)
                         self._take_ring(msgs)
                     wait_s = 0.0
-            elif wait_s > 0 and self.idle_spin_s > 0 and self._few_in_flight():
-                spun = min(self.idle_spin_s, wait_s)
-                wait_s = 0.0 if spin_until(self._out_r.poll, spun) else wait_s - spun
             ready = self._out_r.poll(wait_s)
             while ready:
                 kind, payload = self._out_r.recv()

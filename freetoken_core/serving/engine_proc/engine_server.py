@@ -27,7 +27,6 @@ from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap
 from freetoken_core.serving.engine_proc.heap_trim import HeapTrimmer
 from freetoken_core.serving.engine_proc.msg_ring import FULL_WAIT_S, MsgRing, supported
 from freetoken_core.serving.report import REPORT_INTERVAL_S, configure_logging, percentile
-from freetoken_core.serving.engine_proc.spin import spin_until
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,6 @@ class ChildOptions:
 
     ring_bytes: int = 0  # engine_msg_ring_kib: each instance's shared-memory message ring (0: the pipe)
     engine_cpus: frozenset[int] = frozenset()  # engine_cpus: the CPUs this process moves onto (empty: stays)
-    idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/engine_proc/spin.py)
     gc_freeze: bool = True  # gc_freeze: this process's start-up heap out of the garbage collector's way (gc_freeze.py)
 
 
@@ -110,8 +108,7 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         return
     try:
-        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=options.ring_bytes,
-                     idle_spin_s=options.idle_spin_s).run()
+        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=options.ring_bytes).run()
     finally:
         sched.close()
 
@@ -125,10 +122,8 @@ class EngineServer:
     the owner's, made before the ready message), everything else over its connection."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
-                 ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0,
-                 idle_spin_s: float = 0.0) -> None:
+                 ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0) -> None:
         self.sched = sched
-        self.idle_spin_s = idle_spin_s  # serving/engine_proc/spin.py: how long an idle engine looks for the next command
         self.outs: dict[int, Any] = {0: out_conn}
         self.rings: dict[int, MsgRing] = {0: ring} if ring is not None else {}
         self.ring_bytes = ring_bytes
@@ -308,8 +303,6 @@ class EngineServer:
                 self.orphans.add(uid)  # its abort message has no one to go to
 
     def _take_commands(self, block: bool) -> None:
-        if block and self.idle_spin_s > 0 and spin_until(lambda: not self.commands.empty(), self.idle_spin_s):
-            block = False  # a command came while this thread looked (serving/engine_proc/spin.py)
         while True:
             try:
                 index, cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()

@@ -23,7 +23,7 @@ from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap, gc
 from freetoken_core.lifetime import kill_children, watch_parent
 from freetoken_core.serving.triton.metrics import TritonMetrics
 from freetoken_core.serving.params import (
-    engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
+    engine_config_from_params, msg_ring, parse_model_config_params, sender_threads,
     inflight_budget, serving_options, stream_interval,
 )
 from freetoken_core.serving.report import configure_logging
@@ -208,7 +208,7 @@ class FreetokenModel:
             ring_bytes, ring_poll_s = msg_ring(self.options)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
                                       ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
-                                      idle_spin_s=idle_spin(self.options), gc_freeze=gc_freeze)
+                                      gc_freeze=gc_freeze)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 
@@ -218,7 +218,6 @@ class FreetokenModel:
         self.max_tokens_limit = int(self.options["max_tokens_limit"]) or None
         self.vocab_size = config_vocab_size(config.model_path) or None  # bounds input_ids, top_k and stop_token_ids
         self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
-        self.send_unasked_outputs = send_unasked_outputs(params)
         probe_ms = self.options["nonstream_cancel_probe_ms"]
         model_dir = args.get("model_repository", "")
         if probe_ms > 0:
@@ -285,7 +284,6 @@ class FreetokenModel:
                 tensors = input_arrays(pb, request, INPUT_NAMES)
                 parsed = parse_request(tensors, self.max_tokens_limit, vocab_size=self.vocab_size,
                                        max_nonstream_tokens=self.max_nonstream_tokens,
-                                       send_unasked_outputs=self.send_unasked_outputs,
                                        parameters=request.parameters(), from_ensemble=from_ensemble(tensors))
             except ValueError as e:
                 self.loop.reject(sender, str(e))
