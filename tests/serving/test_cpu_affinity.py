@@ -77,9 +77,9 @@ def test_without_an_engine_process_auto_is_off_and_a_list_is_refused():
 
 def test_auto_is_the_default():
     from freetoken_core.serving.launch.repository import source_repository
-    from freetoken_core.serving.params import SERVING_TEXT_DEFAULTS
+    from freetoken_core.serving.config import ServingConfig
 
-    assert SERVING_TEXT_DEFAULTS["engine_cpus"] == "auto"
+    assert ServingConfig().engine_cpus == "auto"
     assert get_parameter((source_repository() / "freetoken" / "config.pbtxt").read_text(), "engine_cpus") == "auto"
 
 

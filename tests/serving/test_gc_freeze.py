@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap, freeze_text_model, gc_freeze_wanted
+from freetoken_core.serving.config import serving_config
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap, freeze_text_model
 from freetoken_core.serving.launch.repository import get_parameter, render_repository
 
 
@@ -52,7 +53,10 @@ def test_text_models_freeze_unless_their_config_says_0(unfrozen):
 
 
 def test_gc_freeze_parameter_values():
-    assert [gc_freeze_wanted(v) for v in (None, "", "1", 1.0, "on", "0", 0.0, "off")] == [True] * 5 + [False] * 3
+    def gc_freeze_wanted(value: str | None) -> bool:
+        return serving_config({} if value is None else {"gc_freeze": value}).gc_freeze
+
+    assert [gc_freeze_wanted(v) for v in (None, "", "1", "1.0", "on", "0", "0.0", "off")] == [True] * 5 + [False] * 3
     with pytest.raises(ValueError, match="gc_freeze"):
         gc_freeze_wanted("2")
 

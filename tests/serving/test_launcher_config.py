@@ -6,9 +6,8 @@ import pytest
 
 from freetoken_core.serving.launch.server import free_ports
 from freetoken_core.serving.launch.repository import get_parameter, render_repository, set_parameter, source_repository
-from freetoken_core.serving.params import (
-    engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
-)
+from freetoken_core.serving.config import ServingConfig, serving_config
+from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params
 
 
 def test_set_parameter_replaces_and_appends():
@@ -50,11 +49,11 @@ def test_params_to_engine_config():
         engine_config_from_params({"model_path": "/m", "max_running_req": "many"})
     with pytest.raises(ValueError, match="max_running_req must be >= 1"):
         engine_config_from_params({"model_path": "/m", "max_running_req": "0"})
-    assert serving_options({})["cancel_check_interval_ms"] == 200.0
-    assert stream_interval(serving_options({})) == 1 and stream_interval(serving_options({"stream_interval": "4"})) == 4
+    assert serving_config({}).cancel_check_interval_ms == 200.0
+    assert serving_config({}).stream_interval == 1 and serving_config({"stream_interval": "4"}).stream_interval == 4
     for bad in ("0", "2.5"):
         with pytest.raises(ValueError, match="stream_interval"):
-            stream_interval(serving_options({"stream_interval": bad}))
+            serving_config({"stream_interval": bad})
 
 
 def test_free_ports_distinct():
@@ -76,7 +75,7 @@ def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path
     cfg = (probed / "detokenizer" / "config.pbtxt").read_text()
     assert "model_transaction_policy { decoupled: true }" in cfg
     check_detokenizer_decoupled(str(probed / "freetoken"))  # no error
-    assert serving_options({})["max_nonstream_tokens"] == 4096 and serving_options({})["nonstream_cancel_probe_ms"] == 0
+    assert serving_config({}).max_nonstream_tokens == 4096 and serving_config({}).nonstream_cancel_probe_ms == 0
 
 
 def test_send_order_is_on_by_default_and_off_with_a_plain_detokenizer(tmp_path: Path):
@@ -85,7 +84,7 @@ def test_send_order_is_on_by_default_and_off_with_a_plain_detokenizer(tmp_path: 
     flight instead of refusing to start."""
     from freetoken_core.serving.triton.freetoken_model import max_inflight, send_order_enabled
 
-    assert serving_options({})["detok_send_order"] == 1
+    assert serving_config({}).detok_send_order == 1
     repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
     model_dir = str(repo / "freetoken")
     assert get_parameter((repo / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
@@ -142,28 +141,29 @@ def test_default_freetoken_instances_eight_on_big_hosts_one_without_an_engine_pr
 
 
 def test_sender_threads_and_engine_process_parameters():
-    from freetoken_core.serving.params import sender_threads, serving_options
+    from freetoken_core.serving.config import sender_threads
 
-    defaults = serving_options({})
+    defaults = serving_config({})
     # auto: two on hosts of 16+ CPUs with the engine process (beside 8 instances), one elsewhere
-    assert defaults["engine_process"] == 1 and defaults["sender_threads"] == 0
+    assert defaults.engine_process == 1 and defaults.sender_threads == 0
     assert [sender_threads(defaults, cpus=n) for n in (2, 15, 16, 64)] == [1, 1, 2, 2]
-    assert sender_threads(serving_options({"engine_process": "0"}), cpus=64) == 1
-    assert sender_threads(serving_options({"sender_threads": "8"}), cpus=2) == 8
+    assert sender_threads(serving_config({"engine_process": "0"}), cpus=64) == 1
+    assert sender_threads(serving_config({"sender_threads": "8"}), cpus=2) == 8
     for bad in ("-1", "1.5", "65"):
         with pytest.raises(ValueError, match="sender_threads must be a whole number from 1 to 64"):
-            sender_threads(serving_options({"sender_threads": bad}))
+            sender_threads(serving_config({"sender_threads": bad}))
 
 
 def test_message_ring_parameters():
-    from freetoken_core.serving.params import msg_ring, serving_options
+    def msg_ring(config: ServingConfig) -> tuple[int, float]:
+        return config.ring_bytes, config.ring_poll_s
 
-    assert msg_ring(serving_options({})) == (0, 500e-6)  # off by default: the pipe
-    assert msg_ring(serving_options({"engine_msg_ring_kib": "64", "engine_msg_ring_poll_us": "500"})) == (65536, 5e-4)
+    assert msg_ring(serving_config({})) == (0, 500e-6)  # off by default: the pipe
+    assert msg_ring(serving_config({"engine_msg_ring_kib": "64", "engine_msg_ring_poll_us": "500"})) == (65536, 5e-4)
     for name, bad, words in (("engine_msg_ring_kib", "-1", "from 0"), ("engine_msg_ring_kib", "1.5", "whole"),
                              ("engine_msg_ring_poll_us", "5", "from 10 to 2000")):
         with pytest.raises(ValueError, match=words):
-            msg_ring(serving_options({name: bad}))
+            msg_ring(serving_config({name: bad}))
 
 
 def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path: Path):
@@ -231,14 +231,14 @@ def test_inflight_budget_is_shared_out_per_instance_and_needs_send_order():
     """detok_inflight_budget (128 by default, 0 off): each `freetoken` instance gets its part, rounded up; without
     detok_send_order it is ignored (a larger window could reorder a stream across detokenizer instances)."""
     from freetoken_core.serving.triton.freetoken_model import ordered_inflight_budget
-    from freetoken_core.serving.params import inflight_budget
+    from freetoken_core.serving.config import inflight_budget
 
-    assert serving_options({})["detok_inflight_budget"] == 128
-    assert [inflight_budget(serving_options({}), n) for n in (1, 8, 6, 0)] == [128, 16, 22, 128]
-    assert inflight_budget(serving_options({"detok_inflight_budget": "0"}), 8) == 0
-    options = serving_options({"detok_inflight_budget": "64"})
+    assert serving_config({}).detok_inflight_budget == 128
+    assert [inflight_budget(serving_config({}), n) for n in (1, 8, 6, 0)] == [128, 16, 22, 128]
+    assert inflight_budget(serving_config({"detok_inflight_budget": "0"}), 8) == 0
+    options = serving_config({"detok_inflight_budget": "64"})
     assert [inflight_budget(options, n) for n in (1, 8, 6)] == [64, 8, 11]
     assert ordered_inflight_budget(16, send_order=True) == 16 and ordered_inflight_budget(16, send_order=False) == 0
     for bad in ("-1", "2.5"):
         with pytest.raises(ValueError, match="detok_inflight_budget"):
-            inflight_budget(serving_options({"detok_inflight_budget": bad}), 8)
+            inflight_budget(serving_config({"detok_inflight_budget": bad}), 8)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from freetoken_core.messages import DetokenizeMsg
+from freetoken_core.serving.config import ServingConfig
 from freetoken_core.serving.triton.metrics import EngineMetrics
 from freetoken_core.serving.triton.request import ParsedRequest
 from freetoken_core.serving.stream.cancel import CancelChannel
@@ -35,18 +36,25 @@ log = logging.getLogger(__name__)
 CANCEL_KEY_INTERVAL_S = 0.2
 
 
-@dataclass
+_SERVED = ServingConfig()
+
+
+@dataclass(frozen=True)
 class LoopOptions:
-    cancel_check_interval_s: float = 0.2
-    metrics_interval_s: float = 0.5
+    """What the engine loop runs with: the ServingConfig resolved for one instance (triton/freetoken_model.py
+    loop_options: seconds, auto counts, send order as the detokenizer allows). The defaults are ServingConfig's;
+    send order and its budget need the ensemble's order table and a decoupled detokenizer, so they stay off until
+    loop_options finds them; idle_wait_s, the ack timeouts and inline_send_max are the loop's own constants."""
+
+    cancel_check_interval_s: float = _SERVED.cancel_check_interval_ms / 1000.0
+    metrics_interval_s: float = _SERVED.metrics_interval_ms / 1000.0
     idle_wait_s: float = 0.05
     # streaming: hold a request's tokens until this many are ready (the first token and the last
-    # response go out at once). 1 = a response per engine step; larger values trade streaming
-    # granularity for fewer responses, each of which costs the ensemble a detokenizer execution.
-    stream_interval: int = 1
+    # response go out at once): ServingConfig.stream_interval
+    stream_interval: int = _SERVED.stream_interval
     # > 0: probe each non-streaming ensemble request this often (response.build_probe), so that a
     # gRPC cancel reaches the engine before the request ends
-    nonstream_probe_interval_s: float = 0.0
+    nonstream_probe_interval_s: float = _SERVED.nonstream_cancel_probe_ms / 1000.0
     # streamed ensemble responses a request may have sent but not yet acked by the detokenizer
     # (0 = no flow control). 1 keeps each stream in order across several detokenizer instances.
     max_inflight: int = 1
@@ -63,8 +71,7 @@ class LoopOptions:
     # never waits for an ack
     send_order: bool = False
     # > 0 (with send_order): responses this instance's ordered streams may have unacked together, shared out among
-    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight) (params.py
-    # detok_inflight_budget)
+    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight)
     inflight_budget: int = 0
     # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
     # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from freetoken_core.lifetime import die_with_parent
+from freetoken_core.serving.config import FIELDS as SERVING_FIELDS, env_name
 from freetoken_core.serving.engine_proc.cpu_affinity import format_cpu_list, keep_off, parse_cpu_list
 from freetoken_core.serving.launch.guard import (RUN_SHM_PREFIX_ENV, GuardOrders, RunFiles, remove_stale_runs,
                                                 start_guard, stop_guard)
@@ -243,6 +244,10 @@ def spawn_tritonserver(
     secret = new_secret()
     server_vars = {**server_env(install), **(env or {}), "TMPDIR": str(run.dir), RUN_SHM_PREFIX_ENV: run.shm_prefix,
                    SECRET_ENV: secret}
+    # the rendered config.pbtxt already holds the FREETOKEN_<NAME> overrides (below the explicit ones): the models
+    # must not apply them a second time over an explicit --param
+    for name in SERVING_FIELDS:
+        server_vars.pop(env_name(name), None)
     proc = subprocess.Popen(cmd, env=server_vars, stdout=out, stderr=subprocess.STDOUT if out else None,
                             start_new_session=True, preexec_fn=preexec)
     guard = start_guard(GuardOrders(proc.pid, run.tag, tuple(map(str, owned_dirs))))
