@@ -16,7 +16,7 @@ from freetoken_core.config import EngineConfig
 from freetoken_core.messages import DetokenizeMsg
 from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
 from freetoken_core.serving.engine_proc.engine_process import RING_BYTES, EngineClient, EngineProcessError
-from freetoken_core.serving.engine_proc.engine_server import decode, encode
+from freetoken_core.serving.engine_proc.protocol import Stop, decode, encode
 from freetoken_core.serving.engine_proc.faults import is_device_fatal
 from freetoken_core.serving.engine_proc.msg_ring import supported as ring_supported
 from freetoken_core.serving.triton.request import ParsedRequest
@@ -296,9 +296,9 @@ def test_the_engine_process_times_its_back_to_back_steps():
     thread.start()
     got = 0
     while got < 20:  # every step's message reaches the owner
-        kind, payload = out_r.recv()
-        got += len(payload) if kind == "msgs" else 0
-    cmd_w.send(("stop",))
+        event = out_r.recv()
+        got += len(event) if isinstance(event, list) else 0  # a StepBatch
+    cmd_w.send(Stop())
     thread.join(10)
     assert not thread.is_alive()
     assert len(server.pace.intervals) == 19 and min(server.pace.intervals) >= 0.001

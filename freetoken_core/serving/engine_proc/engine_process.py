@@ -37,7 +37,9 @@ from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg, EngineStats
-from freetoken_core.serving.engine_proc.engine_server import ChildOptions, decode, engine_main
+from freetoken_core.serving.engine_proc.engine_server import ChildOptions, engine_main
+from freetoken_core.serving.engine_proc.protocol import (Abort, AddRequest, Bye, Dead, Failed, Ready, Stats, Stop,
+                                                        Stopped, decode)
 from freetoken_core.serving.engine_proc.engine_share import INDEX_BITS, EngineRendezvous
 from freetoken_core.serving.engine_proc.faults import DeviceFatalError, FaultSpec
 from freetoken_core.serving.engine_proc.msg_ring import RING_POLL_S, MsgRing
@@ -99,11 +101,11 @@ class EngineClient:
         self._proc.start()
         self._cmd_r.close()
         self._out_w.close()
-        kind, info = self._wait_ready()
-        if kind != "ready":
+        ready = self._wait_ready()
+        if not isinstance(ready, Ready):
             self.close()
-            raise RuntimeError(f"the engine process failed to start: {info}")
-        self._ready(info)
+            raise RuntimeError(f"the engine process failed to start: {ready.reason}")
+        self._ready(ready)
         if share is not None:
             share.publish_ready()
         log.info("engine process %d ready%s%s", self._proc.pid, f" (shared at {share.dir})" if share else "",
@@ -114,35 +116,34 @@ class EngineClient:
         authkey = share.wait_ready(timeout_s)
         conn = Client(share.address, family="AF_UNIX", authkey=authkey)
         self._cmd_w = self._out_r = conn
-        kind, info = self._wait_ready()
-        if kind != "ready":
+        ready = self._wait_ready()
+        if not isinstance(ready, Ready):
             self._closed = True
             conn.close()
-            raise RuntimeError(f"could not join the shared engine at {share.dir}: {info}")
-        self._index = info["index"]
-        self._ready(info)
+            raise RuntimeError(f"could not join the shared engine at {share.dir}: {ready.reason}")
+        self._index = ready.index
+        self._ready(ready)
         log.info("joined the shared engine at %s as instance %d%s", share.dir, self._index, self._ring_note())
 
     def _ring_note(self) -> str:
         return "; step messages through a shared-memory ring" if self._ring is not None else ""
 
-    def _ready(self, info: dict) -> None:
-        if info.get("ring"):
-            self._ring = MsgRing.attach(info["ring"])
-        self._stats: EngineStats = info["stats"]
-        anchors = info["anchors"]
-        self.tokenizer = SimpleNamespace(anchors=anchors) if anchors is not None else None
-        self.max_req_len: int = info["max_req_len"]
+    def _ready(self, ready: Ready) -> None:
+        if ready.ring:
+            self._ring = MsgRing.attach(ready.ring)
+        self._stats: EngineStats = ready.stats
+        self.tokenizer = SimpleNamespace(anchors=ready.anchors) if ready.anchors is not None else None
+        self.max_req_len: int = ready.max_req_len
 
-    def _wait_ready(self) -> tuple[str, Any]:
+    def _wait_ready(self) -> Ready | Failed:
         # the engine build may take minutes (GGUF conversion, graph capture); Triton's load timeout bounds it
         try:
             while not self._out_r.poll(1.0):
                 if self._proc is not None and not self._proc.is_alive():
-                    return "failed", f"it exited with code {self._proc.exitcode} before it was ready"
+                    return Failed(f"it exited with code {self._proc.exitcode} before it was ready")
             return self._out_r.recv()
         except (EOFError, OSError):
-            return "failed", self._exit_text("before it was ready")
+            return Failed(self._exit_text("before it was ready"))
 
     def _exit_text(self, when: str) -> str:
         if self._proc is None:
@@ -164,14 +165,14 @@ class EngineClient:
                 self._early.append(DetokenizeMsg.failed(uid, self._stopped))
                 return uid
             self._outstanding.add(uid)
-            self._command(("add", uid, list(input_ids), cmd_params))
+            self._command(AddRequest(uid, list(input_ids), cmd_params))
         return uid
 
     def abort(self, uid: int) -> bool:
         if uid not in self._outstanding:
             return False
         with self._lock:
-            self._command(("abort", uid))
+            self._command(Abort(uid))
         return True
 
     def has_work(self) -> bool:
@@ -222,17 +223,17 @@ class EngineClient:
                     wait_s = 0.0
             ready = self._out_r.poll(wait_s)
             while ready:
-                kind, payload = self._out_r.recv()
+                event = self._out_r.recv()
                 self._take_ring(msgs)  # what the engine put in the ring before this comes first
-                if kind == "msgs":
-                    self._add_msgs(payload, msgs)
-                elif kind == "stats":
-                    self._stats = payload
-                elif kind == "dead":
-                    self._dead = payload
+                if isinstance(event, list):  # a StepBatch
+                    self._add_msgs(event, msgs)
+                elif isinstance(event, Stats):
+                    self._stats = event.stats
+                elif isinstance(event, Dead):
+                    self._dead = event.reason
                     break
-                elif kind == "stopped":  # a member: the owner stopped the engine
-                    msgs += self._end_outstanding(payload)
+                elif isinstance(event, Stopped):  # a member: the owner stopped the engine
+                    msgs += self._end_outstanding(event.reason)
                     break
                 ready = self._out_r.poll()
         except (EOFError, OSError):
@@ -270,7 +271,7 @@ class EngineClient:
                 return
             self._closed = True
             try:
-                self._cmd_w.send(("stop",) if self._proc is not None else ("bye",))
+                self._cmd_w.send(Stop() if self._proc is not None else Bye())
             except (OSError, ValueError):
                 pass
         if self._ring is not None:  # the step messages still in it are for requests nobody waits for now
@@ -289,7 +290,7 @@ class EngineClient:
         if self._share is not None:  # after the child: its listener's socket lives there
             self._share.remove()
 
-    def _command(self, cmd: tuple) -> None:
+    def _command(self, cmd: AddRequest | Abort) -> None:
         if self._dead is not None or self._closed or self._stopped is not None:
             return  # its final error reaches the client through the dead engine's _fail_all
         try:
