@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
