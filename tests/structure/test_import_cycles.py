@@ -12,7 +12,7 @@ import pytest
 import freetoken_core
 
 PACKAGE = Path(freetoken_core.__file__).parent
-CHECKED = ("scheduler", "layers")
+CHECKED = ("serving", "scheduler", "layers")
 
 
 def module_name(path: Path) -> str:

@@ -1,16 +1,15 @@
 """A one-way message ring in shared memory: the engine process's per-step messages to one `freetoken`
 stub without a system call (issue 13, serving parameter `engine_msg_ring_kib`; opt-in, off by default).
 
-Why: the engine process (serving/engine_process.py) sends every step's messages to the stub whose
+Why: the engine process (serving/engine_proc/engine_process.py) sends every step's messages to the stub whose
 requests they are. Over a pipe that is a `write()` that also wakes the stub's sleeping engine thread,
-paid on the engine's own thread, the one the decode rate depends on: on the H200 host ~9-12 us a
-message back to back and ~23-28 us after a 0.7 ms gap (`benchmarks/wake_latency.py`). Here the engine
+paid on the engine's own thread, the one the decode rate depends on (RESULTS.md, "Answered questions": wake
+latency). Here the engine
 pickles the step's messages into a ring it shares with the stub (a memory copy); the stub's engine
 thread, while it has requests in flight, polls the ring every RING_POLL_S, so the wake-up is paid on
 the stub's side, off the engine's path. The price: a step's tokens reach the stub up to a poll later,
-so a stream's tokens merge into fewer responses. Measured on the H200 (RESULTS.md, nineteenth
-session): more throughput at 16 and 64 streams (+11-28%), one stream unchanged, tokens in lumps (one
-stream ~2.3 tokens a response instead of ~1.4): hence opt-in. The pipe stays for everything else
+so a stream's tokens merge into fewer responses: more throughput at 16 and 64 streams, tokens in lumps at one
+(RESULTS.md, served path), hence opt-in. The pipe stays for everything else
 (stats, faults, stop) and for the messages when the ring is off.
 
 Layout: a header of two 8-byte counters on separate cache lines, the bytes written and the bytes read
@@ -35,16 +34,15 @@ import os
 import platform
 import tempfile
 
-from freetoken_core.serving.guard import RUN_SHM_PREFIX_ENV
+from freetoken_core.serving.launch.guard import RUN_SHM_PREFIX_ENV
 
 HEADER = 128  # [0]: bytes written, [8] (byte 64): bytes read
 RECORD_HEADER = 8
 WRAP = 0xFFFFFFFF
 # how long the stub's engine thread sleeps between looks while requests are in flight (serving parameter
 # engine_msg_ring_poll_us). Not much shorter: a thread that wakes this often retakes the GIL before the stub's
-# other threads (the sender, execute) wake on theirs (~50 us here), starving them up to the 5 ms switch interval
-# (measured with 50 us on the H200 host: the first response 0.9 ms later, a stream's tokens in lumps). 500 us
-# against 250 there: 64 streams +15%, 16 streams -2.5%, one stream the same (RESULTS.md, nineteenth session)
+# other threads (the sender, execute) wake on theirs, starving them up to the 5 ms switch interval; 500 us beat
+# 250 and 50 on the H200 host (RESULTS.md, served path)
 RING_POLL_S = 500e-6
 FULL_WAIT_S = 50e-6  # how long the engine sleeps before it looks again at a full ring
 

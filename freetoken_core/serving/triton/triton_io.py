@@ -13,7 +13,7 @@ def input_arrays(pb_utils: Any, request: Any, names: Iterable[str]) -> dict[str,
     """The request's inputs among `names` as numpy arrays (absent optional inputs are left out).
 
     One `request.inputs()` walk instead of a get_input_tensor_by_name per known name: the detokenizer
-    knows 13 names and a slim engine response brings 3 (benchmarks/serving_cost.py)."""
+    knows 13 names and a slim engine response brings 3 (benchmarks/dev/serving_cost.py)."""
     wanted = names if isinstance(names, (set, frozenset)) else frozenset(names)
     return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in wanted}
 
@@ -24,7 +24,7 @@ def model_tokenizer(args: Mapping[str, Any]) -> Any:
     The text models encode one short prompt per request (transformers calls the tokenizers library's batch
     encode for it): with that library's thread pool on, each encode is handed to a pool thread and the caller
     woken back, two thread wake-ups on a lone request's way (50-110 us each at the median on the H200 host's
-    idle cores, benchmarks/wake_latency.py) for no parallel work. So this process turns the pool off, unless
+    idle cores, RESULTS.md, "Answered questions") for no parallel work. So this process turns the pool off, unless
     TOKENIZERS_PARALLELISM is set (then it is the deployer's choice)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from freetoken_core.serving.params import resolve_model_path

@@ -3,7 +3,7 @@
 A launcher killed with SIGKILL (OOM killer, a CI timeout, `kill -9`) runs no cleanup of its own. Its
 tritonserver gets SIGTERM from the parent-death signal, but a server with streams in flight can take
 its `--exit-timeout-secs` and more to stop, and its stubs and the engine process are left behind. So
-the launcher starts this small process in a session of its own and holds the write end of its stdin:
+the launcher starts this small process detached (setsid) and holds the write end of its stdin:
 when that pipe closes without the word `stopped` (the launcher's clean stop), the launcher is gone,
 and the guard
 1. sends the server SIGTERM and gives it GRACE_S to exit (streams in flight end then),
@@ -149,7 +149,7 @@ def _group_alive(pgid: int) -> bool:
 def start_guard(orders: GuardOrders) -> subprocess.Popen:
     """Start the guard for `orders`; the caller keeps `.stdin` open for as long as it lives and writes
     STOPPED there on a clean stop (`stop_guard`)."""
-    guard = subprocess.Popen([sys.executable, "-m", "freetoken_core.serving.guard"], stdin=subprocess.PIPE,
+    guard = subprocess.Popen([sys.executable, "-m", "freetoken_core.serving.launch.guard"], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, start_new_session=True, text=True)
     assert guard.stdin is not None
     guard.stdin.write(json.dumps(asdict(orders)) + "\n")

@@ -13,9 +13,8 @@ fails a load). `serve` resolves "auto" into the list it writes into config.pbtxt
 mask agree; a repository served by a plain `tritonserver` only pins the engine process; without an engine process
 (engine_process=0) auto is off.
 
-Measured on the H200 host (16 CPUs; SmolLM2 shape, ensemble, perf_analyzer gRPC streaming, two A/B pairs,
-benchmarks/RESULTS.md twenty-first session): 64 streams +15% and +17% tok/s, 16 streams +3% and +0%, one stream
-the same within 1.4%.
+Why: at 64 streams the pinned engine gained ~15% tok/s on the 16-CPU H200 host, one stream unchanged (RESULTS.md,
+served path).
 """
 
 from __future__ import annotations
