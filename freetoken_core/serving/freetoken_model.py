@@ -34,7 +34,8 @@ from freetoken_core.tokenizer.tokenize import config_vocab_size
 log = logging.getLogger("freetoken_core.serving")
 
 INPUT_NAMES = (
-    "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "random_seed",
+    "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "random_seed",
     "min_tokens", "min_length", "ignore_eos", "beam_width", "stop_words", "stop_token_ids", "bad_words",
     "exclude_input_in_output", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
     "return_finish_reason", "sampling_parameters", "text_input", "ensemble_key", "detok_acks",

@@ -149,6 +149,17 @@ def test_seed_reproducibility(client):
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
 
+def test_penalties_change_output_as_the_ensemble_does(client, triton_server):
+    """vLLM's penalties reach the sampler: they change a greedy answer, and the OpenAI text equals the ensemble's
+    with the same penalty inputs."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    for penalties in ({"frequency_penalty": 1.5}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.5}):
+        text = client.completions.create(**{**kw, "extra_body": {**kw["extra_body"], **penalties}}).choices[0].text
+        assert text != plain, penalties
+        assert text == _ensemble_text(triton_server, text_input=PROMPT, max_tokens=24, ignore_eos=True, **penalties)
+
+
 def test_logprobs_one_per_token(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, logprobs=True,
                                        extra_body={"ignore_eos": True})
@@ -163,9 +174,9 @@ def test_logprobs_one_per_token(client):
 
 @pytest.mark.parametrize("field, extra", [
     ("n", {"n": 2}),
-    ("presence_penalty", {"presence_penalty": 0.5}),
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
-    ("repetition_penalty", {"repetition_penalty": 1.2}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -2.01}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
     ("logit_bias", {"logit_bias": {"42": 5}}),
     ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
     ("response_format", {"response_format": {"type": "json_object"}}),

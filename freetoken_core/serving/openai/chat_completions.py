@@ -7,8 +7,10 @@ from typing import Any, AsyncIterator
 from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleStep
 from freetoken_core.serving.openai.generation import SSE_DONE, Tally, all_steps, sse, token_logprobs
 from freetoken_core.serving.openai.output_pipe import OutputDelta, OutputPipe
-from freetoken_core.serving.openai.protocol import ChatCompletionRequest, new_id, now, tool_call_dicts
+from freetoken_core.serving.openai.protocol import (ChatCompletionRequest, new_id, now, tool_call_delta_dicts,
+                                                   tool_call_dicts)
 from freetoken_core.serving.openai.served_model import ServedModel
+from freetoken_core.serving.openai.tool_parsers import assemble_calls
 
 
 def _pipe(req: ChatCompletionRequest, model: ServedModel) -> OutputPipe:
@@ -33,13 +35,13 @@ async def chat_completion(req: ChatCompletionRequest, model: ServedModel, first:
     deltas.append(pipe.finish())
     content = [d.content for d in deltas]
     reasoning = [d.reasoning for d in deltas]
-    calls = [c for d in deltas for c in d.calls]
+    calls = assemble_calls([c for d in deltas for c in d.calls])
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else ""),
                                "refusal": None}
     if pipe.has_reasoning:
         message["reasoning_content"] = "".join(reasoning) or None
     if calls:
-        message["tool_calls"] = tool_call_dicts(calls, 0, streamed=False)
+        message["tool_calls"] = tool_call_dicts(calls)
     return {
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": model.name,
         "choices": [{"index": 0, "message": message,
@@ -71,7 +73,7 @@ async def chat_completion_stream(req: ChatCompletionRequest, model: ServedModel,
         if d.content:
             delta["content"] = d.content
         if d.calls:
-            delta["tool_calls"] = tool_call_dicts(list(d.calls), pipe.num_calls - len(d.calls), streamed=True)
+            delta["tool_calls"] = tool_call_delta_dicts(list(d.calls))
         return delta
 
     yield chunk({"role": "assistant", "content": ""})

@@ -38,6 +38,9 @@ class EnsembleRequest:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
@@ -53,7 +56,8 @@ class EnsembleRequest:
         if self.messages is not None:
             out["messages"] = _string(json.dumps(self.messages, ensure_ascii=False))
         for name, dtype in (("max_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
-                            ("top_k", np.int32), ("min_p", np.float32), ("seed", np.int64),
+                            ("top_k", np.int32), ("min_p", np.float32), ("presence_penalty", np.float32),
+                            ("frequency_penalty", np.float32), ("repetition_penalty", np.float32), ("seed", np.int64),
                             ("min_tokens", np.int32), ("ignore_eos", np.bool_)):
             value = getattr(self, name)
             if value is not None:

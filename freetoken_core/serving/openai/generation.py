@@ -48,7 +48,9 @@ _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 # the ensemble's refusals start with the input they name; the OpenAI field that set it
 _PARAM_OF_MESSAGE = (("chat message", "messages"), ("messages", "messages"), ("max_tokens", "max_tokens"),
                      ("the prompt", "prompt"), ("stop", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
-                     ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"))
+                     ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"),
+                     ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                     ("repetition_penalty", "repetition_penalty"))
 
 
 async def engine_error(client: EnsembleClient, e: EngineError, status: int = 400) -> APIError:

@@ -1,5 +1,5 @@
 """OpenAI request bodies -> ensemble requests. Every field the ensemble cannot honour is refused with a 400 that
-names it (never ignored): the engine has no penalties, no logit bias, no top-logprobs outputs, no structured output,
+names it (never ignored): the engine has no logit bias, no top-logprobs outputs, no structured output,
 and the tokenizer step takes no tools or chat-template arguments yet."""
 
 from __future__ import annotations
@@ -25,11 +25,6 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest, model: ServedM
     check_model(req.model, model)
     if req.n not in (None, 1):
         raise _refuse("n", f"only n=1 is supported (got {req.n}); send n requests instead")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise _refuse(name, "this engine has no penalties yet; only 0 (the default) is accepted")
-    if req.repetition_penalty not in (None, 1.0):
-        raise _refuse("repetition_penalty", "this engine has no penalties yet; only 1 (the default) is accepted")
     if req.logit_bias:
         raise _refuse("logit_bias", "not supported by this engine; send the request without it")
     if req.stream_options is not None and not req.stream:
@@ -47,6 +42,8 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
                 min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_words=_stops(req.stop))
 
 
