@@ -86,6 +86,7 @@ class ActiveRequest:
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[float] = field(default_factory=list)
+    held_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     # streaming requests: whether anything went out yet (sender thread)
     streamed: bool = False
     cancelled: bool = False
@@ -104,20 +105,20 @@ class ActiveRequest:
 
     def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
                 context: list[int], prompt_text: str, now: float,
-                ack: tuple[int, int, int] | None = None) -> dict:
+                ack: tuple[int, int, int] | None = None, top_logprobs: list[dict[int, float]] | None = None) -> dict:
         """This response's tensors: the slim ensemble shape for the ensemble's requests (only what the
         detokenizer needs for this one response), the full one for direct clients, whose outputs stay
         as config.pbtxt lists them. The cancel key rides on the first response and then once per
         CANCEL_KEY_INTERVAL_S: the detokenizer asks Triton about a cancel only that often anyway."""
         if not self.cancel_key:
             return build_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, "",
-                                 self.parsed.omit_outputs)
+                                 self.parsed.omit_outputs, top_logprobs)
         key = ""
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
                                       self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs,
-                                      self.route_tag)
+                                      self.route_tag, top_logprobs)
 
 
 class EngineLoop:
@@ -376,9 +377,11 @@ class EngineLoop:
         st.held_tokens.extend(msg.next_tokens)
         if msg.logprobs:
             st.held_logprobs.extend(msg.logprobs)
+        if msg.top_logprobs:
+            st.held_top_logprobs.extend(msg.top_logprobs)
         if msg.finished:
             outputs = st.outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                 [], st.parsed.prompt_text, now)
+                                 [], st.parsed.prompt_text, now, top_logprobs=st.held_top_logprobs or None)
             out.append((st.handle, outputs, None, True, st))
 
     def _fail_all(self, error: str) -> None:

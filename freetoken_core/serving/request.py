@@ -232,7 +232,10 @@ def parse_request(
         raise ValueError(f"beam_width={beam} is not supported (only 1: no beam search)")
 
     return_logprobs = bool(_scalar(tensors.get("return_logprobs")) or False)
-    if return_logprobs and kwargs.get("logprobs") is None:
+    top_n = _scalar(tensors.get("num_top_logprobs"))
+    if top_n is not None and int(top_n) != 0:
+        kwargs["logprobs"] = int(top_n)  # SamplingParams.validate bounds it
+    elif return_logprobs and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0
     params = SamplingParams(**kwargs)
     params.validate(max_tokens_limit or None, vocab_size)

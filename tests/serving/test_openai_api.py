@@ -160,6 +160,34 @@ def test_penalties_change_output_as_the_ensemble_does(client, triton_server):
         assert text == _ensemble_text(triton_server, text_input=PROMPT, max_tokens=24, ignore_eos=True, **penalties)
 
 
+def test_token_prompt_equals_its_text(client, smollm2_path):
+    """A completions prompt of token ids (the ensemble's input_ids) answers as the text they encode does."""
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+
+    ids = load_tokenizer(smollm2_path).encode(PROMPT)
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    by_text = client.completions.create(prompt=PROMPT, **kw)
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    echoed = client.completions.create(prompt=[ids], echo=True, **kw)
+    assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_top_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    for e in r.choices[0].logprobs.content:
+        assert len(e.top_logprobs) == 3
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.top_logprobs) == 4 and all(len(d) <= 2 for d in lp.top_logprobs)  # two tokens may share a text
+    assert all(tok in d for tok, d in zip(lp.tokens, lp.top_logprobs))
+
+
 def test_logprobs_one_per_token(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, logprobs=True,
                                        extra_body={"ignore_eos": True})
@@ -178,10 +206,17 @@ def test_logprobs_one_per_token(client):
     ("frequency_penalty", {"frequency_penalty": -2.01}),
     ("repetition_penalty", {"repetition_penalty": 0}),
     ("logit_bias", {"logit_bias": {"42": 5}}),
-    ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
+    ("top_logprobs", {"top_logprobs": 2}),  # without logprobs
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 21}),
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    ("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("tools", {"tools": [{"type": "function", "function": {"parameters": {}}}]}),  # no name
+    ("tool_choice", {"tool_choice": {"type": "function", "function": {"name": "g"}},
+                     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("tool_choice", {"tool_choice": "required"}),  # no tools
+    ("parallel_tool_calls", {"parallel_tool_calls": False,
+                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("chat_template_kwargs", {"chat_template_kwargs": {"tokenize": True}}),
     ("temperature", {"temperature": -1}),
     ("top_p", {"top_p": 0}),
     ("max_tokens", {"max_tokens": 0}),
@@ -204,11 +239,12 @@ _CHAT_KWARGS = {"messages", "max_tokens", "n", "presence_penalty", "frequency_pe
 
 
 @pytest.mark.parametrize("field, extra", [
-    ("prompt", {"prompt": [1, 2, 3]}),
+    ("prompt", {"prompt": [1, 2, 10**9]}),
+    ("prompt", {"prompt": [[1, 2], [3]]}),
     ("prompt", {"prompt": ["a", "b"]}),
     ("suffix", {"suffix": "x"}),
     ("best_of", {"best_of": 2}),
-    ("logprobs", {"logprobs": 2}),
+    ("logprobs", {"logprobs": 6}),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(client, field, extra):
     with pytest.raises(openai.BadRequestError) as e:

@@ -47,10 +47,16 @@ class Tally:
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 # the ensemble's refusals start with the input they name; the OpenAI field that set it
 _PARAM_OF_MESSAGE = (("chat message", "messages"), ("messages", "messages"), ("max_tokens", "max_tokens"),
+                     ("tools", "tools"), ("chat_template_kwargs", "chat_template_kwargs"), ("input_ids", "prompt"),
                      ("the prompt", "prompt"), ("stop", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"),
                      ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
                      ("repetition_penalty", "repetition_penalty"))
+
+
+def param_of_message(message: str) -> str | None:
+    """The OpenAI field an ensemble (or tokenizer) refusal is about, from the input its message starts with."""
+    return next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
 
 
 async def engine_error(client: EnsembleClient, e: EngineError, status: int = 400) -> APIError:
@@ -61,7 +67,7 @@ async def engine_error(client: EnsembleClient, e: EngineError, status: int = 400
         return APIError(503, f"the engine is not ready: {message}", type_="service_unavailable")
     if status != 400:
         return APIError(status, message)
-    param = next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
+    param = param_of_message(message)
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(400, message, param=param)
@@ -86,6 +92,18 @@ async def all_steps(first: EnsembleStep, rest: AsyncIterator[EnsembleStep]) -> A
         yield step
 
 
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
 def token_logprobs(tok: Tokenizer, step: EnsembleStep) -> list[tuple[str, float]]:
     """(token text, logprob) of each token of a response that carries logprobs."""
-    return [(tok.decode([t], skip_special_tokens=False), lp) for t, lp in zip(step.token_ids, step.logprobs)]
+    return [(token_text(tok, t), lp) for t, lp in zip(step.token_ids, step.logprobs)]
+
+
+def top_token_logprobs(tok: Tokenizer, step: EnsembleStep) -> list[list[tuple[str, float]]]:
+    """Per token of the response: (text, logprob) of the most likely tokens, best first (empty lists when the
+    request asked for none)."""
+    if not step.top_logprobs:
+        return [[] for _ in step.token_ids]
+    return [[(token_text(tok, t), lp) for t, lp in top] for top in step.top_logprobs]
