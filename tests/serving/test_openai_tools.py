@@ -26,9 +26,9 @@ CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 def qwen_like(smollm2_path, tmp_path_factory):
     """(client, model directory): a server and a frontend of their own (the template differs from the session's)."""
     pytest.importorskip("tritonclient.grpc")
-    from freetoken_core.serving.launcher import free_ports, start_server
+    from freetoken_core.serving.launch.server import free_ports, start_server
     from freetoken_core.serving.openai.process import FrontendOptions, start_frontend, stop_frontend
-    from freetoken_core.serving.tritonserver import find_tritonserver
+    from freetoken_core.serving.launch.tritonserver import find_tritonserver
     from tests.serving.qwen_like_model import qwen_like_model_dir
 
     try:

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from freetoken_core.serving.chat import (parse_chat_messages, parse_chat_template_kwargs, parse_chat_tools,
-                                         tool_call_arguments_as_objects)
-from freetoken_core.serving.launcher import get_parameter
+from freetoken_core.serving.triton.chat import (parse_chat_messages, parse_chat_template_kwargs, parse_chat_tools,
+                                                tool_call_arguments_as_objects)
+from freetoken_core.serving.launch.repository import get_parameter
 from freetoken_core.serving.openai.reasoning import THINK_OPEN
 from freetoken_core.serving.openai.tool_parsers import tool_parser_for_template
-from freetoken_core.serving.text_models import render_chat_ids
+from freetoken_core.serving.triton.text_models import render_chat_ids
 from freetoken_core.tokenizer.tokenize import Tokenizer, load_tokenizer
 
 # The engine's own default context when max_seq_len is not set (engine/engine.py MAX_DEFAULT_SEQ_LEN), kept here so

@@ -3,8 +3,8 @@
 Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
 thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
 round trip to the server), runs `Scheduler.step()` (or takes the steps of the engine process,
-serving/engine_process.py) and hands each step's messages to the sender thread in one item
-(serving/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
+serving/engine_proc/engine_process.py) and hands each step's messages to the sender thread in one item
+(serving/stream/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
 detokenizer's acks) and sends.
 
 Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.metrics import EngineMetrics
-from freetoken_core.serving.request import ParsedRequest
-from freetoken_core.serving.cancel import CancelChannel
-from freetoken_core.serving.faults import is_device_fatal
-from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, build_probe
-from freetoken_core.serving.sender import ResponseSender, Transport
+from freetoken_core.serving.config import ServingConfig
+from freetoken_core.serving.triton.metrics import EngineMetrics
+from freetoken_core.serving.triton.request import ParsedRequest
+from freetoken_core.serving.stream.cancel import CancelChannel
+from freetoken_core.serving.engine_proc.faults import is_device_fatal
+from freetoken_core.serving.triton.response import build_ensemble_outputs, build_outputs, build_probe
+from freetoken_core.serving.stream.sender import ResponseSender, Transport
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
@@ -35,18 +36,25 @@ log = logging.getLogger(__name__)
 CANCEL_KEY_INTERVAL_S = 0.2
 
 
-@dataclass
+_SERVED = ServingConfig()
+
+
+@dataclass(frozen=True)
 class LoopOptions:
-    cancel_check_interval_s: float = 0.2
-    metrics_interval_s: float = 0.5
+    """What the engine loop runs with: the ServingConfig resolved for one instance (triton/freetoken_model.py
+    loop_options: seconds, auto counts, send order as the detokenizer allows). The defaults are ServingConfig's;
+    send order and its budget need the ensemble's order table and a decoupled detokenizer, so they stay off until
+    loop_options finds them; idle_wait_s, the ack timeouts and inline_send_max are the loop's own constants."""
+
+    cancel_check_interval_s: float = _SERVED.cancel_check_interval_ms / 1000.0
+    metrics_interval_s: float = _SERVED.metrics_interval_ms / 1000.0
     idle_wait_s: float = 0.05
     # streaming: hold a request's tokens until this many are ready (the first token and the last
-    # response go out at once). 1 = a response per engine step; larger values trade streaming
-    # granularity for fewer responses, each of which costs the ensemble a detokenizer execution.
-    stream_interval: int = 1
+    # response go out at once): ServingConfig.stream_interval
+    stream_interval: int = _SERVED.stream_interval
     # > 0: probe each non-streaming ensemble request this often (response.build_probe), so that a
     # gRPC cancel reaches the engine before the request ends
-    nonstream_probe_interval_s: float = 0.0
+    nonstream_probe_interval_s: float = _SERVED.nonstream_cancel_probe_ms / 1000.0
     # streamed ensemble responses a request may have sent but not yet acked by the detokenizer
     # (0 = no flow control). 1 keeps each stream in order across several detokenizer instances.
     max_inflight: int = 1
@@ -56,20 +64,19 @@ class LoopOptions:
     # because a late ack that is waited for keeps order across detokenizer instances, one not waited for
     # may not; a stream whose ack never comes is cancelled or failed by the other paths long before
     ack_lost_s: float = 30.0
-    # threads that call transport.send (serving/sender.py SendWorkers); 1 = the sender thread itself
+    # threads that call transport.send (serving/stream/sender.py SendWorkers); 1 = the sender thread itself
     sender_threads: int = 1
-    # the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py), so
+    # the detokenizer instances keep each stream's responses in order themselves (serving/stream/send_order.py), so
     # a stream may have max_inflight responses in flight across several instances, and its last response
     # never waits for an ack
     send_order: bool = False
     # > 0 (with send_order): responses this instance's ordered streams may have unacked together, shared out among
-    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight) (params.py
-    # detok_inflight_budget)
+    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight)
     inflight_budget: int = 0
     # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
     # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)
     inline_send_max: int = 2
-    # what the ensemble's slim responses carry to prove they come from this server (serving/ensemble_secret.py)
+    # what the ensemble's slim responses carry to prove they come from this server (serving/triton/ensemble_secret.py)
     route_tag: tuple[int, int] = (0, 0)
 
 
@@ -125,13 +132,13 @@ class EngineLoop:
     def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
                  metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None) -> None:
         self.sched = scheduler
-        # called once (from the engine thread) when the device became unusable (serving/faults.py)
+        # called once (from the engine thread) when the device became unusable (serving/engine_proc/faults.py)
         self.on_device_fatal = on_device_fatal
         self.dead: str | None = None  # why this engine can serve no more (set once, never cleared)
         self.transport = transport
         self.opt = options or LoopOptions()
         self.metrics = metrics or EngineMetrics()
-        # the engine runs in another process (serving/engine_process.py EngineClient): its add_request may be called
+        # the engine runs in another process (serving/engine_proc/engine_process.py EngineClient): its add_request may be called
         # from execute()'s thread, and this loop's engine thread only collects the messages it sends
         self._remote = bool(getattr(scheduler, "remote", False))
         # (handle, request, when execute() handed it over, its uid when execute()'s thread already added it)
@@ -245,7 +252,7 @@ class EngineLoop:
 
     def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg]:
         """A step fault fails the requests of the step(s) in flight, and the engine serves on; a
-        device fault (sticky CUDA error) fails everything and ends this engine (serving/faults.py)."""
+        device fault (sticky CUDA error) fails everything and ends this engine (serving/engine_proc/faults.py)."""
         what = f"{type(e).__name__}: {e}"
         if not is_device_fatal(e):
             log.exception("engine step failed: failing the requests of the step(s) in flight")

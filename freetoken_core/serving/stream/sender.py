@@ -1,17 +1,17 @@
 """The `freetoken` model's sender thread: every response goes out here, in order per request.
 
-The engine thread (serving/engine_loop.py) hands over each engine step's messages as one outbox item
+The engine thread (serving/engine_proc/engine_loop.py) hands over each engine step's messages as one outbox item
 (the least Python per response on the thread the engine's speed depends on); this thread builds and
 sends them. Streamed messages of a request that wait (the transport was busy, stream_interval, or the
 flow control's ack) go out merged into one response (all their next_tokens).
 
 Flow control (issue 13): a streamed ensemble response is acked by the detokenizer once it went on
-(serving/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
+(serving/stream/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
 tokens wait meanwhile and go out merged in one response as soon as the ack comes. So while the
 detokenizer keeps up every step's tokens get their own response (stream_interval = 1), and only while
 it is behind do steps merge; the first token never waits. With one in flight per stream, a stream's
 responses also stay in order across several detokenizer instances (each acks only after its send
-returned). With `send_order` the instances keep that order themselves (serving/send_order.py): the
+returned). With `send_order` the instances keep that order themselves (serving/stream/send_order.py): the
 sender gives each acked stream a slot of the order table and numbers all its responses, the last one
 too, so a stream may have max_inflight in flight and its last response never waits for an ack.
 
@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.cancel import CancelChannel
+from freetoken_core.serving.stream.cancel import CancelChannel
 from freetoken_core.serving.report import REPORT_INTERVAL_S, percentile
-from freetoken_core.serving.send_order import SlotAllocator
+from freetoken_core.serving.stream.send_order import SlotAllocator
 
 if TYPE_CHECKING:
-    from freetoken_core.serving.engine_loop import ActiveRequest, LoopOptions
+    from freetoken_core.serving.engine_proc.engine_loop import ActiveRequest, LoopOptions
 
 log = logging.getLogger(__name__)
 
