@@ -5,6 +5,7 @@ One frontend process (module-scoped) in front of the session's server; a second 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -375,6 +376,26 @@ def test_serve_options_of_the_frontend(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "k")
     opts = frontend_options(p.parse_args(["--openai-port", "9100", "--served-model-name", "m"]))
     assert (opts.port, opts.served_model_name, opts.api_key) == (9100, "m", "k")
+    assert opts.workers == 1 and frontend_options(p.parse_args(["--openai-workers", "3"])).workers == 3
+    with pytest.raises(ValueError, match="--openai-workers must be from 1 to 64, got 0"):
+        frontend_options(p.parse_args(["--openai-workers", "0"]))
+
+
+def test_several_frontend_workers_answer_on_one_port(triton_server, tmp_path):
+    """--openai-workers 2: uvicorn's workers (each its own app and gRPC channel) all answer on the one port, and they
+    go when the frontend stops."""
+    from freetoken_core.serving.openai.process import stop_frontend
+
+    proc, port = _frontend(triton_server, tmp_path, workers=2)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        texts = {c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+                 for _ in range(4)}
+        assert len(texts) == 1
+        log = (tmp_path / "frontend.log").read_text()
+        assert len(set(re.findall(r"serving model '[^']+' \(pid (\d+)\)", log))) == 2, log
+    finally:
+        stop_frontend(proc)
 
 
 def test_prompt_counts_match_the_engine_for_the_default_max_tokens(client, triton_server):

@@ -102,3 +102,14 @@ def test_prefilled_think_and_length(qwen_like):
     msg = body["choices"][0]
     assert msg["message"]["reasoning_content"] == "still thinking about it" and msg["message"]["content"] == ""
     assert msg["finish_reason"] == "length"
+
+
+def test_a_full_engine_queue_is_429():
+    """The engine's refusal at max_queued_requests becomes OpenAI's rate-limit error (no readiness probe needed)."""
+    from freetoken_core.serving.engine_proc.engine_loop import queue_full_message
+    from freetoken_core.serving.openai.ensemble_client import EngineError
+    from freetoken_core.serving.openai.generation import engine_error
+
+    err = asyncio.run(engine_error(None, EngineError(f"in ensemble 'ensemble', {queue_full_message(8)}")))
+    assert err.status == 429 and err.body()["error"]["type"] == "rate_limit_error"
+    assert err.message.startswith("the server is busy") and "max_queued_requests=8" in err.message

@@ -44,6 +44,7 @@ class Tally:
         return "tool_calls" if tool_calls else "stop"
 
 
+QUEUE_FULL_MARK = "(max_queued_requests="  # in the engine's refusal when its queue is full (engine_loop.py)
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 # the ensemble's refusals start with the input they name; the OpenAI field that set it
 _PARAM_OF_MESSAGE = (("chat message", "messages"), ("messages", "messages"), ("max_tokens", "max_tokens"),
@@ -63,6 +64,8 @@ async def engine_error(client: EnsembleClient, e: EngineError, status: int = 400
     """A request the ensemble refused: 503 when the server is not ready (the engine is down or restarting), else
     the ensemble's own message as a 400 (its refusals name the bad input), or `status` for a failure mid-answer."""
     message = _ENSEMBLE_PREFIX.sub("", str(e))
+    if QUEUE_FULL_MARK in message:
+        return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
     if not await client.ready():
         return APIError(503, f"the engine is not ready: {message}", type_="service_unavailable")
     if status != 400:

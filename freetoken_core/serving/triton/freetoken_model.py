@@ -156,6 +156,7 @@ def loop_options(config: ServingConfig, model_dir: str, instances: int) -> LoopO
         sender_threads=sender_threads(config),
         send_order=send_order,
         route_tag=route_tag(),
+        max_queued_requests=config.max_queued_requests,
     )
 
 
