@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-url", help="Triton's metrics URL, served again at /metrics")
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     watch_parent("openai frontend")
     import uvicorn
 
@@ -147,8 +147,13 @@ def _app(settings: dict):
 def app_from_env():
     """uvicorn's app factory in each worker process: the app from the settings main() left in the environment.
     A worker exits when its parent (uvicorn's supervisor) dies, like every process of the server."""
+    _configure_logging()  # a spawned worker runs none of main()
     watch_parent("openai frontend worker")
     return _app(json.loads(os.environ[_WORKER_SETTINGS_ENV]))
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 if __name__ == "__main__":
