@@ -86,7 +86,7 @@ def main() -> int:
     from bench_serving import shape_model_dir
     from pa_summary import PROMPTS
 
-    from freetoken_core.serving.engine_proc.engine_server import encode
+    from freetoken_core.serving.engine_proc.protocol import encode
     from freetoken_core.tokenizer.tokenize import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,7 +115,7 @@ def main() -> int:
 
     def pipe_send(msgs) -> None:
         if msgs:
-            send_end.send(("msgs", [encode(m) for m in msgs]))
+            send_end.send([encode(m) for m in msgs])  # a StepBatch (protocol.py)
 
     cases = [(f"busy {x:g} us", lambda msgs, us=x: _spin(us)) for x in args.extra_us]
     cases.append(("pipe (the engine process's send)", pipe_send))

@@ -21,22 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.config import ServingConfig
+from freetoken_core.serving.engine_proc.loop_options import LoopOptions
 from freetoken_core.serving.triton.metrics import EngineMetrics
 from freetoken_core.serving.triton.request import ParsedRequest
 from freetoken_core.serving.stream.cancel import CancelChannel
 from freetoken_core.serving.engine_proc.faults import is_device_fatal
-from freetoken_core.serving.triton.response import build_ensemble_outputs, build_outputs, build_probe
+from freetoken_core.serving.triton.response import build_probe
 from freetoken_core.serving.stream.sender import ResponseSender, Transport
+from freetoken_core.serving.stream.state import StreamState
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
 
-# how often a stream's responses carry its cancel key (= CancelCheckLimiter's default interval)
-CANCEL_KEY_INTERVAL_S = 0.2
-
-
-_SERVED = ServingConfig()
 
 
 def queue_full_message(limit: int) -> str:
@@ -45,96 +41,17 @@ def queue_full_message(limit: int) -> str:
             "retry later")
 
 
-@dataclass(frozen=True)
-class LoopOptions:
-    """What the engine loop runs with: the ServingConfig resolved for one instance (triton/freetoken_model.py
-    loop_options: seconds, auto counts, send order as the detokenizer allows). The defaults are ServingConfig's;
-    send order and its budget need the ensemble's order table and a decoupled detokenizer, so they stay off until
-    loop_options finds them; idle_wait_s, the ack timeouts and inline_send_max are the loop's own constants."""
-
-    cancel_check_interval_s: float = _SERVED.cancel_check_interval_ms / 1000.0
-    metrics_interval_s: float = _SERVED.metrics_interval_ms / 1000.0
-    idle_wait_s: float = 0.05
-    # streaming: hold a request's tokens until this many are ready (the first token and the last
-    # response go out at once): ServingConfig.stream_interval
-    stream_interval: int = _SERVED.stream_interval
-    # > 0: probe each non-streaming ensemble request this often (response.build_probe), so that a
-    # gRPC cancel reaches the engine before the request ends
-    nonstream_probe_interval_s: float = _SERVED.nonstream_cancel_probe_ms / 1000.0
-    # streamed ensemble responses a request may have sent but not yet acked by the detokenizer
-    # (0 = no flow control). 1 keeps each stream in order across several detokenizer instances.
-    max_inflight: int = 1
-    # until the first ack arrives: an ack this late means the detokenizer sends none (flow control turns off)
-    ack_timeout_s: float = 1.0
-    # once acks are known to arrive: an ack this late counts as lost and its stream goes on (logged). Long,
-    # because a late ack that is waited for keeps order across detokenizer instances, one not waited for
-    # may not; a stream whose ack never comes is cancelled or failed by the other paths long before
-    ack_lost_s: float = 30.0
-    # threads that call transport.send (serving/stream/sender.py SendWorkers); 1 = the sender thread itself
-    sender_threads: int = 1
-    # the detokenizer instances keep each stream's responses in order themselves (serving/stream/send_order.py), so
-    # a stream may have max_inflight responses in flight across several instances, and its last response
-    # never waits for an ack
-    send_order: bool = False
-    # > 0 (with send_order): responses this instance's ordered streams may have unacked together, shared out among
-    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight)
-    inflight_budget: int = 0
-    # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
-    # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)
-    inline_send_max: int = 2
-    # what the ensemble's slim responses carry to prove they come from this server (serving/triton/ensemble_secret.py)
-    route_tag: tuple[int, int] = (0, 0)
-    # > 0: a request that finds this many of this instance's requests not yet generating (queued, or in their
-    # prefill) is refused at once (serving/config.py max_queued_requests)
-    max_queued_requests: int = 0
-
-
-@dataclass
+@dataclass(eq=False)
 class ActiveRequest:
-    handle: Any
-    parsed: ParsedRequest
-    uid: int
-    t_arrival: float  # execute() handed it over
-    t_first: float | None = None  # the engine thread had its first token
-    t_admitted: float = 0.0  # the engine thread took it from the inbox (its wake-up after execute())
-    window: DetokWindow | None = None  # where the detokenizer's context starts (streaming only)
-    output_ids: list[int] = field(default_factory=list)
+    """A request as the engine thread sees it; what the sender thread reads and writes of it is `stream`."""
+
+    stream: StreamState
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[float] = field(default_factory=list)
     held_top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # streaming requests: whether anything went out yet (sender thread)
-    streamed: bool = False
     cancelled: bool = False
-    cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.from_ensemble)
-    route_tag: tuple[int, int] = (0, 0)  # LoopOptions.route_tag
     last_probe: float = 0.0
-    key_sent_at: float | None = None  # when a response last carried cancel_key (sender thread)
-    # flow control (sender thread): seq of the next acked response; seq -> when it was sent
-    seq: int = 0
-    unacked: dict[int, float] = field(default_factory=dict)
-    order_slot: int | None = None  # its slot in the send-order table (send_order), from its first acked response
-    # send workers (sender_threads > 1): responses handed to this request's worker (sender thread) and
-    # delivered by it (the worker); one writer each
-    handed: int = 0
-    delivered: int = 0
-
-    def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
-                context: list[int], prompt_text: str, now: float,
-                ack: tuple[int, int, int] | None = None, top_logprobs: list[dict[int, float]] | None = None) -> dict:
-        """This response's tensors: the slim ensemble shape for the ensemble's requests (only what the
-        detokenizer needs for this one response), the full one for direct clients, whose outputs stay
-        as config.pbtxt lists them. The cancel key rides on the first response and then once per
-        CANCEL_KEY_INTERVAL_S: the detokenizer asks Triton about a cancel only that often anyway."""
-        if not self.cancel_key:
-            return build_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, "",
-                                 self.parsed.omit_outputs, top_logprobs)
-        key = ""
-        if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
-            key, self.key_sent_at = self.cancel_key, now
-        return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs,
-                                      self.route_tag, top_logprobs)
 
 
 class EngineLoop:
@@ -322,9 +239,9 @@ class EngineLoop:
                 continue
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
             key = self._cancel_channel.register(uid) if parsed.from_ensemble else ""
-            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window, cancel_key=key,
-                                              last_probe=t_arrival, t_admitted=t_admitted,
-                                              route_tag=self.opt.route_tag)
+            stream = StreamState(handle, parsed, uid, t_arrival, window=window, cancel_key=key, t_admitted=t_admitted,
+                                 route_tag=self.opt.route_tag)
+            self._active[uid] = ActiveRequest(stream, last_probe=t_arrival)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
 
     def _abort_gone(self) -> None:
@@ -339,7 +256,7 @@ class EngineLoop:
         if not gone and not cancelled:
             return
         for uid, st in list(self._active.items()):
-            if (uid in cancelled or id(st.handle) in gone) and not st.cancelled:
+            if (uid in cancelled or id(st.stream.handle) in gone) and not st.cancelled:
                 st.cancelled = True
                 self.sched.abort(uid)
 
@@ -348,7 +265,7 @@ class EngineLoop:
             if st.cancelled:
                 continue
             try:
-                cancelled = self.transport.is_cancelled(st.handle)
+                cancelled = self.transport.is_cancelled(st.stream.handle)
             except Exception:  # the sender is gone (client disconnected): same as a cancel
                 cancelled = True
             if cancelled:
@@ -358,11 +275,11 @@ class EngineLoop:
     def _send_probes(self, now: float) -> None:
         out = []
         for st in self._active.values():
-            if st.parsed.stream or not st.cancel_key or st.cancelled:
+            if st.stream.parsed.stream or not st.stream.cancel_key or st.cancelled:
                 continue  # streams reach the detokenizer anyway; direct clients would see a probe
             if now - st.last_probe >= self.opt.nonstream_probe_interval_s:
                 st.last_probe = now
-                out.append((st.handle, build_probe(st.cancel_key), None, False, None))
+                out.append((st.stream.handle, build_probe(st.stream.cancel_key), None, False, None))
         if out:
             self._post(out)
 
@@ -380,54 +297,54 @@ class EngineLoop:
             st = self._active.get(msg.uid)
             if st is None:
                 return
-        if msg.next_tokens and st.t_first is None:
-            st.t_first = now
+        if msg.next_tokens and st.stream.t_first is None:
+            st.stream.t_first = now
             self._dequeued += 1
-            self.metrics.observe_ttft(now - st.t_arrival)
+            self.metrics.observe_ttft(now - st.stream.t_arrival)
         self.metrics.add_generated_tokens(len(msg.next_tokens))
         if msg.finished:
             del self._active[msg.uid]
-            if st.t_first is None:  # ended before its first token
+            if st.stream.t_first is None:  # ended before its first token
                 self._dequeued += 1
-            self._cancel_channel.unregister(st.cancel_key)
+            self._cancel_channel.unregister(st.stream.cancel_key)
             self.metrics.count_finish(msg.finish_reason or "stop")
             n_out = msg.num_output_tokens
-            if st.t_first is not None and n_out > 1:
-                self.metrics.observe_tpot((now - st.t_first) / (n_out - 1))
+            if st.stream.t_first is not None and n_out > 1:
+                self.metrics.observe_tpot((now - st.stream.t_first) / (n_out - 1))
         if st.cancelled and msg.finished:
-            out.append((st.handle, None, None, True, st))  # the FINAL flag alone
+            out.append((st.stream.handle, None, None, True, st.stream))  # the FINAL flag alone
             return
         if msg.finish_reason == "error" or msg.error:
-            out.append((st.handle, None, msg.error or "the engine failed this request", True, st))
+            out.append((st.stream.handle, None, msg.error or "the engine failed this request", True, st.stream))
             return
         if msg.finish_reason == "abort":
-            out.append((st.handle, None, "the request was aborted", True, st))
+            out.append((st.stream.handle, None, "the request was aborted", True, st.stream))
             return
-        if st.parsed.stream:
-            out.append((st, msg))  # built by the sender thread, which merges what waits for a request
+        if st.stream.parsed.stream:
+            out.append((st.stream, msg))  # built by the sender thread, which merges what waits for a request
             return
-        st.output_ids.extend(msg.next_tokens)
+        st.stream.output_ids.extend(msg.next_tokens)
         st.held_tokens.extend(msg.next_tokens)
         if msg.logprobs:
             st.held_logprobs.extend(msg.logprobs)
         if msg.top_logprobs:
             st.held_top_logprobs.extend(msg.top_logprobs)
         if msg.finished:
-            outputs = st.outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                 [], st.parsed.prompt_text, now, top_logprobs=st.held_top_logprobs or None)
-            out.append((st.handle, outputs, None, True, st))
+            outputs = st.stream.outputs(msg, st.held_tokens, st.held_logprobs if st.stream.parsed.return_logprobs else None,
+                                 [], st.stream.parsed.prompt_text, now, top_logprobs=st.held_top_logprobs or None)
+            out.append((st.stream.handle, outputs, None, True, st.stream))
 
     def _fail_all(self, error: str) -> None:
         for uid, st in list(self._active.items()):
-            if st.t_first is None:
+            if st.stream.t_first is None:
                 self._dequeued += 1
             try:
                 self.sched.abort(uid)
             except Exception:
                 log.exception("abort(%d) failed", uid)
             self.metrics.count_finish("error")
-            self._cancel_channel.unregister(st.cancel_key)
-            self._post([(st.handle, None, error, True, st)])
+            self._cancel_channel.unregister(st.stream.cancel_key)
+            self._post([(st.stream.handle, None, error, True, st)])
         self._active.clear()
         # abort() queues final messages; drain them so the scheduler holds nothing for gone requests
         try:

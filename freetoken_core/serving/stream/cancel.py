@@ -193,7 +193,7 @@ class CancelCheckLimiter:
     A request (named by its cancel key) is asked at most every `interval_s`, from the response that
     carries its key after the first one: not on the first response itself, whose latency is the client's time
     to first token (and at one stream part of every request's time); the engine sends the key again
-    one interval later (engine_loop.CANCEL_KEY_INTERVAL_S), so a cancel still reaches the engine within
+    one interval later (stream/state.py CANCEL_KEY_INTERVAL_S), so a cancel still reaches the engine within
     about one interval. Keys not seen for `forget_after_s` are dropped, so the table stays as small as
     the set of live streams.
     """

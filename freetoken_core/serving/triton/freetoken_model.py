@@ -19,7 +19,8 @@ import numpy as np
 from freetoken_core.serving.engine_proc.cpu_affinity import engine_cpus_of_model
 from freetoken_core.serving.triton.ensemble_secret import is_ensemble_key, route_tag
 from freetoken_core.serving.config import ServingConfig, inflight_budget, sender_threads, serving_config
-from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop
+from freetoken_core.serving.engine_proc.loop_options import LoopOptions
 from freetoken_core.serving.engine_proc.faults import InjectedFault, install_fault_hook, parse_fault_specs
 from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap
 from freetoken_core.lifetime import kill_children, watch_parent
