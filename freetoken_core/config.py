@@ -16,6 +16,7 @@ SAMPLING_EPS = 1e-5  # temperatures below it sample greedily (vLLM's _SAMPLING_E
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_LOGPROBS = 20
+MAX_PRESENCE_FREQUENCY_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (vLLM's and OpenAI's range)
 
 
 def _is_integer(v: Any) -> bool:
@@ -63,6 +64,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's; n: plus top-n
     skip_special_tokens: bool = True
+    # vLLM's penalties: presence / frequency over the output so far, repetition over prompt and output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -88,6 +97,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= _real("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            lim = MAX_PRESENCE_FREQUENCY_PENALTY
+            if not -lim <= _real(name, getattr(self, name)) <= lim:
+                raise ValueError(f"{name} must be in [{-lim}, {lim}], got {getattr(self, name)}")
+        if not 0.0 < _real("repetition_penalty", self.repetition_penalty) <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be in (0, {FLOAT32_MAX:.4g}] (1: off), "
+                             f"got {self.repetition_penalty}")
         top_k_cap = INT64_MAX if vocab_size is None else vocab_size
         if not -1 <= _integer("top_k", self.top_k) <= top_k_cap:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or in [1, {top_k_cap}]"

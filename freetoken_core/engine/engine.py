@@ -21,6 +21,7 @@ from .batch_builder import build_batch
 from .graph import GraphRunner, default_bs_list
 from .linear_steps import LinearStateSteps
 from .prefill_graph import PrefillGraphRunner, prefill_graph_buckets
+from .penalties import PenaltyState
 from .resolved import ResolvedEngineConfig, resolve_device, resolve_dtype
 from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
@@ -96,6 +97,7 @@ class Engine:
             dist.barrier()
         self.sampler = Sampler(self.device, config.seed)
         self.vocab_size = int(self.model.config.vocab_size)
+        self.penalties = PenaltyState(self.vocab_size, self.device)
         self.graph_runner: GraphRunner | None = None
         self.verify_graph_runner: GraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
@@ -381,12 +383,8 @@ class Engine:
         reqs = [batch.reqs[i] for i in batch.sample_reqs]
         if logits.shape[0] == 0:
             return InflightStep(self.sampler.empty(), self.sampler.pinned)
-        if banned:
-            cols = [t for ids in banned.values() for t in ids if t < logits.shape[1]]
-            rows = [r for r, ids in banned.items() for t in ids if t < logits.shape[1]]
-            idx = to_device([rows, cols], torch.int64, self.device)
-            logits[idx[0], idx[1]] = float("-inf")
-        sample = self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs])
+        sample = self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+                                     self.penalties.prepare(reqs), banned)
         return InflightStep(sample, self.sampler.pinned)
 
     @torch.inference_mode()

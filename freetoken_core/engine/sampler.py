@@ -1,4 +1,14 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+The order, for every path that samples (plain steps here, speculative verification in spec/verify.py):
+  1. penalties (presence / frequency / repetition, engine/penalties.py),
+  2. masks: the min_tokens ban of stop tokens (and a grammar mask where one applies),
+  3. temperature,
+  4. top-k, then top-p, then min-p,
+  5. the draw (or, in a verify step, speculative acceptance against these probabilities).
+A mask sets logits to -inf, which every penalty keeps at -inf, so the ban is applied in place before the
+penalties' out-of-place copy: logprobs are those of the model's logits with the masks, before penalties and
+temperature (vLLM's raw logprobs).
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly from p.
 A seeded request draws its noise from its own generator, one vocabulary-sized vector per token,
@@ -13,6 +23,7 @@ import torch
 
 from ..config import SamplingParams
 from ..core import to_device
+from .penalties import PenaltyBatch
 
 _GREEDY = SamplingParams()  # what a failed row samples with: its token is discarded
 
@@ -132,6 +143,16 @@ def greedy_in_place_of(params: list[SamplingParams], failed: dict[int, str]) -> 
     return [_GREEDY if i in failed else p for i, p in enumerate(params)]
 
 
+def ban_masks(logits: torch.Tensor, banned: dict[int, list[int]]) -> None:
+    """In place: row r of logits [R, V] may not produce the ids banned[r] (ids past the vocabulary ignored)."""
+    vocab = logits.shape[-1]
+    rows = [r for r, ids in banned.items() for t in ids if t < vocab]
+    cols = [t for ids in banned.values() for t in ids if t < vocab]
+    if rows:
+        idx = to_device([rows, cols], torch.int64, logits.device)
+        logits[idx[0], idx[1]] = float("-inf")
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.device = device
@@ -161,10 +182,19 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        penalties: PenaltyBatch | None = None,
+        banned: dict[int, list[int]] | None = None,
     ) -> DeviceSample:
-        """logits [R, V] float32, one row per sampled request row. Nothing here waits for the device."""
+        """logits [R, V] float32, one row per sampled request row, in the order of the module's docstring.
+        `banned` maps a row to token ids it may not produce (min_tokens); `penalties` (engine/penalties.py) are
+        its penalized rows, whose counts gain the sampled tokens. Nothing here waits for the device."""
         num_rows, vocab = logits.shape
         plan, failed = self._plan(params, vocab)
+        if banned:
+            ban_masks(logits, banned)
+        raw = logits
+        if penalties is not None:
+            logits = penalties.apply(logits)
         greedy_rows, random_rows = plan.greedy_rows, plan.random_rows
         tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         if greedy_rows:
@@ -181,9 +211,11 @@ class Sampler:
                 noise[j].exponential_(generator=generators[i] or self.generator)
             # exponential_ can return exactly 0: 0/0 would make a zero-probability token win
             tokens[idx] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        if penalties is not None:
+            penalties.record(tokens)
         out = DeviceSample(tokens=tokens, failed=failed)
         if plan.top_n is not None:
-            logprobs = logits.log_softmax(dim=-1)
+            logprobs = raw.log_softmax(dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             out.top_n = plan.top_n
             max_n = max(out.top_n)

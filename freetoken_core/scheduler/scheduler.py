@@ -425,6 +425,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.cache.free(req)
+        self.engine.penalties.release(req.uid)
         self._by_uid.pop(req.uid, None)
         self._stop_checkers.pop(req.uid, None)
         if self.spec is not None:
@@ -435,6 +436,7 @@ class Scheduler:
         log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
         self.running.remove(req)
         self.cache.free(req)
+        self.engine.penalties.release(req.uid)  # refilled from the committed tokens when it samples again
         req.cached_len = 0
         self.waiting.appendleft(req)
 

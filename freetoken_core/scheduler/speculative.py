@@ -66,7 +66,9 @@ class SpecDecoder:
         for r in decoders:
             left = min(r.sampling.max_tokens - r.num_output, self.engine.max_req_len - r.seq_len) - 1
             prop = self._proposers.get(r.uid)
-            out[r.uid] = prop.propose(max(0, min(left, self.k))) if prop is not None else []
+            # penalties change the target's distribution with every committed token: no drafts (one row per step)
+            drafting = prop is not None and not r.sampling.has_penalties
+            out[r.uid] = prop.propose(max(0, min(left, self.k))) if drafting else []
         return out
 
     # --- pipelined steps (greedy, device-resident) ---------------------------------------------
@@ -77,7 +79,7 @@ class SpecDecoder:
     @staticmethod
     def pipelinable(req: Req) -> bool:
         p = req.sampling
-        return p.greedy and p.logprobs is None and req.num_output >= p.min_tokens
+        return p.greedy and p.logprobs is None and not p.has_penalties and req.num_output >= p.min_tokens
 
     def run_pipelined(self, decoders: list[Req], msgs: list[DetokenizeMsg]) -> bool:
         """Launch the next pipelined step for these decoders and commit the previous one. False
@@ -179,7 +181,10 @@ class SpecDecoder:
         sched.mark_in_flight(batch_reqs)  # fault isolation: these are in flight now
         logits = engine.forward_verify(batch).view(len(batch_reqs), rows, -1)
         self._ban_early_stops(logits, batch_reqs)
-        committed = self._accept(logits, batch_reqs, num_drafts, msgs)
+        # penalized requests have no drafts: only their row 0 is read, penalized like a plain step's
+        penalties = engine.penalties.prepare(batch_reqs, [i * rows for i in range(len(batch_reqs))])
+        penalized = logits if penalties is None else penalties.apply(logits.view(-1, logits.shape[-1])).view_as(logits)
+        committed = self._accept(penalized, batch_reqs, num_drafts, msgs)
         lp = self._logprobs(logits, batch_reqs, committed)
         kept: list[int] = []  # rows whose tokens stay cached: linear (GDN) states advance by as many
         for i, (req, tokens) in enumerate(zip(batch_reqs, committed)):
@@ -200,6 +205,8 @@ class SpecDecoder:
             cache.rollback_tail(req, req.seq_len)
             self.on_commit(req, tokens[:taken])
             msgs.append(sched.message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
+        if penalties is not None:
+            penalties.record_committed([c[:n] for c, n in zip(committed, kept)])
         engine.commit_verify(kept)
 
     def _ban_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:

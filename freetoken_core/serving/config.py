@@ -36,6 +36,10 @@ class ServingConfig:
         4096, "ceiling on max_tokens of a non-streaming request (0 = none): Triton does not tell a model that an "
         "HTTP /generate client went away, so such a request always runs to its end", 0, 2**31 - 1,
         "a whole number >= 0")
+    max_queued_requests: int = knob(
+        0, "requests one `freetoken` instance holds that have not started generating (queued or in their prefill) "
+        "beyond which a new one is refused at once with an error naming this limit (the OpenAI API answers 429); "
+        "0 = no limit", 0, MAX_WHOLE, "a whole number >= 0")
     # --- streaming: how tokens become responses
     stream_interval: int = knob(
         1, "tokens per streamed response (the first goes out at once); more = fewer responses, each costing the "

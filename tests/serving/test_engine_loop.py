@@ -329,3 +329,27 @@ def test_send_workers_send_when_several_streams_run(llm):
     transport = stream_through_loop(llm, prompts, params, ConcurrentTransport(), LoopOptions(sender_threads=2))
     assert any(name.startswith("freetoken-send-") for name in transport.threads), transport.threads
     assert_streams_exact(transport, expected, llm.tokenizer)
+
+
+def test_max_queued_requests_refuses_at_once_and_frees_as_requests_start(llm):
+    """Requests not yet generating count against max_queued_requests; one past it gets one error response (FINAL)
+    naming the limit; the others run; once they started, new requests are taken again."""
+    transport = RecordingTransport(0.0)
+    transport.expected = 3
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_queued_requests=2))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(3):  # the engine thread is not running yet: none of them can start
+        loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode("Hello"), params=params, stream=True))
+    loop.start()
+    try:
+        assert transport.done.wait(120)
+        (outputs, error, final), = transport.sent["h2"]
+        assert outputs is None and final and "max_queued_requests=2" in error
+        assert all(r[-1][2] and r[-1][1] is None for r in (transport.sent["h0"], transport.sent["h1"]))
+        transport.done.clear()
+        transport.expected = 4
+        loop.submit("h3", ParsedRequest(input_ids=llm.encode("Hello"), params=params, stream=True))
+        assert transport.done.wait(120)
+        assert transport.sent["h3"][-1][1] is None
+    finally:
+        loop.stop()

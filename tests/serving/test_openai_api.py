@@ -5,6 +5,7 @@ One frontend process (module-scoped) in front of the session's server; a second 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -149,6 +150,45 @@ def test_seed_reproducibility(client):
     assert len({sample(s) for s in (1, 2, 3)}) > 1
 
 
+def test_penalties_change_output_as_the_ensemble_does(client, triton_server):
+    """vLLM's penalties reach the sampler: they change a greedy answer, and the OpenAI text equals the ensemble's
+    with the same penalty inputs."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    for penalties in ({"frequency_penalty": 1.5}, {"presence_penalty": 2.0}, {"repetition_penalty": 1.5}):
+        text = client.completions.create(**{**kw, "extra_body": {**kw["extra_body"], **penalties}}).choices[0].text
+        assert text != plain, penalties
+        assert text == _ensemble_text(triton_server, text_input=PROMPT, max_tokens=24, ignore_eos=True, **penalties)
+
+
+def test_token_prompt_equals_its_text(client, smollm2_path):
+    """A completions prompt of token ids (the ensemble's input_ids) answers as the text they encode does."""
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+
+    ids = load_tokenizer(smollm2_path).encode(PROMPT)
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    by_text = client.completions.create(prompt=PROMPT, **kw)
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    echoed = client.completions.create(prompt=[ids], echo=True, **kw)
+    assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_top_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    for e in r.choices[0].logprobs.content:
+        assert len(e.top_logprobs) == 3
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-5)
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.top_logprobs) == 4 and all(len(d) <= 2 for d in lp.top_logprobs)  # two tokens may share a text
+    assert all(tok in d for tok, d in zip(lp.tokens, lp.top_logprobs))
+
+
 def test_logprobs_one_per_token(client):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, logprobs=True,
                                        extra_body={"ignore_eos": True})
@@ -163,14 +203,21 @@ def test_logprobs_one_per_token(client):
 
 @pytest.mark.parametrize("field, extra", [
     ("n", {"n": 2}),
-    ("presence_penalty", {"presence_penalty": 0.5}),
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
-    ("repetition_penalty", {"repetition_penalty": 1.2}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("frequency_penalty", {"frequency_penalty": -2.01}),
+    ("repetition_penalty", {"repetition_penalty": 0}),
     ("logit_bias", {"logit_bias": {"42": 5}}),
-    ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
+    ("top_logprobs", {"top_logprobs": 2}),  # without logprobs
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 21}),
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
-    ("chat_template_kwargs", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("tools", {"tools": [{"type": "function", "function": {"parameters": {}}}]}),  # no name
+    ("tool_choice", {"tool_choice": {"type": "function", "function": {"name": "g"}},
+                     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("tool_choice", {"tool_choice": "required"}),  # no tools
+    ("parallel_tool_calls", {"parallel_tool_calls": False,
+                             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("chat_template_kwargs", {"chat_template_kwargs": {"tokenize": True}}),
     ("temperature", {"temperature": -1}),
     ("top_p", {"top_p": 0}),
     ("max_tokens", {"max_tokens": 0}),
@@ -193,11 +240,12 @@ _CHAT_KWARGS = {"messages", "max_tokens", "n", "presence_penalty", "frequency_pe
 
 
 @pytest.mark.parametrize("field, extra", [
-    ("prompt", {"prompt": [1, 2, 3]}),
+    ("prompt", {"prompt": [1, 2, 10**9]}),
+    ("prompt", {"prompt": [[1, 2], [3]]}),
     ("prompt", {"prompt": ["a", "b"]}),
     ("suffix", {"suffix": "x"}),
     ("best_of", {"best_of": 2}),
-    ("logprobs", {"logprobs": 2}),
+    ("logprobs", {"logprobs": 6}),
 ])
 def test_bad_completion_fields_are_400_naming_the_field(client, field, extra):
     with pytest.raises(openai.BadRequestError) as e:
@@ -328,6 +376,26 @@ def test_serve_options_of_the_frontend(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "k")
     opts = frontend_options(p.parse_args(["--openai-port", "9100", "--served-model-name", "m"]))
     assert (opts.port, opts.served_model_name, opts.api_key) == (9100, "m", "k")
+    assert opts.workers == 1 and frontend_options(p.parse_args(["--openai-workers", "3"])).workers == 3
+    with pytest.raises(ValueError, match="--openai-workers must be from 1 to 64, got 0"):
+        frontend_options(p.parse_args(["--openai-workers", "0"]))
+
+
+def test_several_frontend_workers_answer_on_one_port(triton_server, tmp_path):
+    """--openai-workers 2: uvicorn's workers (each its own app and gRPC channel) all answer on the one port, and they
+    go when the frontend stops."""
+    from freetoken_core.serving.openai.process import stop_frontend
+
+    proc, port = _frontend(triton_server, tmp_path, workers=2)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        texts = {c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+                 for _ in range(4)}
+        assert len(texts) == 1
+        log = (tmp_path / "frontend.log").read_text()
+        assert len(set(re.findall(r"serving model '[^']+' \(pid (\d+)\)", log))) == 2, log
+    finally:
+        stop_frontend(proc)
 
 
 def test_prompt_counts_match_the_engine_for_the_default_max_tokens(client, triton_server):

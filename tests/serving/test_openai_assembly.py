@@ -79,7 +79,12 @@ def test_reasoning_and_tool_call_streamed_equals_whole(qwen_like, size):
     assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == msg["content"]
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert [(c["index"], c["function"]) for c in calls] == [(0, msg["tool_calls"][0]["function"])]
+    # the call streams: its first entry has the id and the name, the rest add to its arguments
+    assert {c["index"] for c in calls} == {0} and calls[0]["id"].startswith("call_")
+    assert calls[0]["function"]["name"] == "get_weather" and all("id" not in c for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == msg["tool_calls"][0]["function"]["arguments"]
+    if size == 1:  # one token a response: the arguments come in many pieces
+        assert len(calls) > 5
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
 
@@ -97,3 +102,14 @@ def test_prefilled_think_and_length(qwen_like):
     msg = body["choices"][0]
     assert msg["message"]["reasoning_content"] == "still thinking about it" and msg["message"]["content"] == ""
     assert msg["finish_reason"] == "length"
+
+
+def test_a_full_engine_queue_is_429():
+    """The engine's refusal at max_queued_requests becomes OpenAI's rate-limit error (no readiness probe needed)."""
+    from freetoken_core.serving.engine_proc.engine_loop import queue_full_message
+    from freetoken_core.serving.openai.ensemble_client import EngineError
+    from freetoken_core.serving.openai.generation import engine_error
+
+    err = asyncio.run(engine_error(None, EngineError(f"in ensemble 'ensemble', {queue_full_message(8)}")))
+    assert err.status == 429 and err.body()["error"]["type"] == "rate_limit_error"
+    assert err.message.startswith("the server is busy") and "max_queued_requests=8" in err.message

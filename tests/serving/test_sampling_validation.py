@@ -46,6 +46,9 @@ def _sp(d: dict) -> dict:
     ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
     ({"top_p": float("inf")}, "top_p must be a finite number"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+    ({"presence_penalty": -2.01}, r"presence_penalty must be in \[-2.0, 2.0\], got -2.01"),
+    ({"frequency_penalty": "nan"}, "frequency_penalty must be a finite number"),
+    ({"repetition_penalty": 0}, r"repetition_penalty must be in \(0, 3.403e\+38\] \(1: off\), got 0"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"max_tokens": 10**30}, "max_tokens=1000000000000000000000000000000 exceeds the limit of 100 new tokens"),
     ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
@@ -67,6 +70,8 @@ def test_sampling_parameters_json_refused_naming_field_and_limit(d, match):
     ("stop_token_ids", np.array([3, 300], np.int32), r"stop_token_ids must be integers in \[0, 255\]"),
     ("temperature", np.array([np.inf], np.float32), "temperature must be a finite number"),
     ("min_length", np.array([-3], np.int32), "min_tokens"),
+    ("repetition_penalty", np.array([-1.0], np.float32), r"repetition_penalty must be in \(0, "),
+    ("frequency_penalty", np.array([3.0], np.float32), r"frequency_penalty must be in \[-2.0, 2.0\]"),
 ])
 def test_tensor_inputs_refused_naming_field_and_limit(name, arr, match):
     with pytest.raises(ValueError, match=match):

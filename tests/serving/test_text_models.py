@@ -134,3 +134,81 @@ def test_unknown_request_parameters_are_refused_by_the_tokenizer_step(tok):
     with pytest.raises(ValueError, match=r"unknown request field\(s\) \['max_token', 'temprature'\]"):
         tokenize_request(tok, {"text_input": _b("Hello")}, '{"max_token": 100, "temprature": 0.5}')
     assert tokenize_request(tok, {"text_input": _b("Hello")}, "{}")["input_ids"].size
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.fixture(scope="module")
+def qwen_like_tok(smollm2_path, tmp_path_factory):
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+    from tests.serving.qwen_like_model import qwen_like_model_dir
+
+    return load_tokenizer(str(qwen_like_model_dir(smollm2_path, tmp_path_factory.mktemp("qwen_like") / "m")))
+
+
+def test_tools_and_template_kwargs_reach_the_chat_template(qwen_like_tok):
+    tok = qwen_like_tok
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    ids = tokenize_request(tok, {"messages": _b(json.dumps(msgs)), "tools": _b(json.dumps([WEATHER_TOOL])),
+                                 "chat_template_kwargs": _b('{"enable_thinking": false}')})["input_ids"].tolist()
+    text = tok.hf.decode(ids)
+    assert json.dumps(WEATHER_TOOL) in text  # the schema, as the template writes it
+    # a past call's arguments (an OpenAI JSON string) rendered as the object the template expects
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    plain = tok.hf.decode(tokenize_request(tok, {"messages": _b(json.dumps(msgs[:1]))})["input_ids"].tolist())
+    assert "# Tools" not in plain and "<think>" not in plain
+
+
+@pytest.mark.parametrize("inputs, match", [
+    ({"tools": '{"name": "f"}'}, "tools must be a JSON list"),
+    ({"tools": '[{"type": "function", "function": {"description": "no name"}}]'}, r"tools\[0\].function.name"),
+    ({"tools": "[{"}, "tools is not valid JSON"),
+    ({"chat_template_kwargs": "[1]"}, "chat_template_kwargs must be a JSON object"),
+    ({"chat_template_kwargs": '{"tokenize": true}'}, r"chat_template_kwargs may not set \['tokenize'\]"),
+])
+def test_bad_tools_and_template_kwargs_name_the_input(qwen_like_tok, inputs, match):
+    msgs = json.dumps([{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match=match):
+        tokenize_request(qwen_like_tok, {"messages": _b(msgs), **{k: _b(v) for k, v in inputs.items()}})
+
+
+def test_tools_a_template_ignores_or_without_a_chat_are_refused(tok):
+    msgs = json.dumps([{"role": "user", "content": "Hi"}])
+    tools = _b(json.dumps([WEATHER_TOOL]))
+    with pytest.raises(ValueError, match="tools: this model's chat template does not render tools"):
+        tokenize_request(tok, {"messages": _b(msgs), "tools": tools})  # SmolLM2's template has no tools
+    with pytest.raises(ValueError, match="tools: only with a chat"):
+        tokenize_request(tok, {"text_input": _b("Hi"), "tools": tools})
+
+
+def test_input_ids_pass_through_checked(tok):
+    out = tokenize_request(tok, {"input_ids": np.array([1, 2, 3], np.int32), "stop_words": _b("<|im_end|>")})
+    assert out["input_ids"].tolist() == [1, 2, 3] and out["stop_token_ids"].size == 1
+    with pytest.raises(ValueError, match="input_ids: token id 99999999 is outside the vocabulary"):
+        tokenize_request(tok, {"input_ids": np.array([1, 99999999], np.int32)})
+    with pytest.raises(ValueError, match="input_ids: send one prompt"):
+        tokenize_request(tok, {"input_ids": np.array([1], np.int32), "text_input": _b("Hi")})
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        tokenize_request(tok, {"input_ids": np.zeros(0, np.int32)})
+
+
+def test_top_logprobs_go_through_both_response_shapes(tok):
+    """n per token, best first, flattened token by token; absent when the client asked for none."""
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.triton.response import build_ensemble_outputs, build_outputs
+
+    new, top = [10, 11], [{10: -0.1, 12: -2.5}, {11: -0.3, 13: -1.5}]
+    msg = DetokenizeMsg(uid=1, next_tokens=new, finished=False, logprobs=[-0.1, -0.3], top_logprobs=top)
+    for outputs in (build_ensemble_outputs(msg, new, msg.logprobs, [], "", "", logprobs_asked=True, top_logprobs=top),
+                    build_outputs(msg, new, msg.logprobs, [], "", "", top_logprobs=top)):
+        out = detokenize_response(tok, outputs)
+        assert out["top_logprob_ids_out"].tolist() == [10, 12, 11, 13]
+        assert out["top_logprobs_out"].tolist() == pytest.approx([-0.1, -2.5, -0.3, -1.5])
+    assert "top_logprobs_out" not in detokenize_response(tok, build_outputs(msg, new, msg.logprobs, [], "", ""))

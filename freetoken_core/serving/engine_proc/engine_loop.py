@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 
 
 
+def queue_full_message(limit: int) -> str:
+    """The refusal of a request that finds the queue full (the OpenAI frontend answers it with 429)."""
+    return (f"the server is busy: {limit} requests are already waiting to start (max_queued_requests={limit}); "
+            "retry later")
+
+
 @dataclass(eq=False)
 class ActiveRequest:
     """A request as the engine thread sees it; what the sender thread reads and writes of it is `stream`."""
@@ -43,6 +49,7 @@ class ActiveRequest:
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[float] = field(default_factory=list)
+    held_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     cancelled: bool = False
     last_probe: float = 0.0
 
@@ -62,6 +69,10 @@ class EngineLoop:
         self._remote = bool(getattr(scheduler, "remote", False))
         # (handle, request, when execute() handed it over, its uid when execute()'s thread already added it)
         self._inbox: queue.SimpleQueue[tuple[Any, ParsedRequest, float, int | None]] = queue.SimpleQueue()
+        # max_queued_requests: requests submit() took (execute()'s thread), and of them those that left the queue:
+        # started generating, finished or were refused (the engine thread); each counter has one writer
+        self._submitted = 0
+        self._dequeued = 0
         # held from an early add_request until its inbox entry is in: a message of that uid waits for it
         self._add_lock = threading.Lock()
         self._wake = threading.Event()
@@ -88,6 +99,11 @@ class EngineLoop:
         here (execute()'s thread), so the engine starts on it without waiting for this thread's wake-up (~0.17 ms
         at one stream on the H200 host); the engine thread still does everything else it does on admission."""
         t_arrival = time.perf_counter()
+        limit = self.opt.max_queued_requests
+        if limit and self._submitted - self._dequeued >= limit:
+            self.reject(handle, queue_full_message(limit))
+            return
+        self._submitted += 1
         if not self._remote or self.dead is not None or self._stopping.is_set():
             self._inbox.put((handle, parsed, t_arrival, None))
             self._wake.set()
@@ -100,6 +116,11 @@ class EngineLoop:
             else:
                 self._inbox.put((handle, parsed, t_arrival, uid))
         self._wake.set()
+
+    def _refuse_queued(self, handle: Any, error: str) -> None:
+        """reject() for a request submit() took: it leaves the queue."""
+        self._dequeued += 1
+        self.reject(handle, error)
 
     def reject(self, handle: Any, error: str) -> None:
         """A request that failed validation: one error response carrying the FINAL flag."""
@@ -126,7 +147,7 @@ class EngineLoop:
                 break
             if isinstance(added, int):
                 self.sched.abort(added)
-            self.reject(handle, "the server is shutting down")
+            self._refuse_queued(handle, "the server is shutting down")
         self.sender.stop(timeout)
         self._cancel_channel.close()
         self.sched.close()  # the engine process (engine_process.py) or tensor-parallel workers stop with the model
@@ -199,7 +220,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if self.dead is not None:
-                self.reject(handle, self.dead)  # (an early add reached no engine: a dead one takes no commands)
+                self._refuse_queued(handle, self.dead)  # (an early add reached no engine: a dead one takes no commands)
                 continue
             t_admitted = time.perf_counter()
             if isinstance(added, int):  # execute()'s thread added it (submit): its tokens may already come
@@ -210,11 +231,11 @@ class EngineLoop:
                 elif isinstance(added, BaseException):
                     raise added
             except ValueError as e:
-                self.reject(handle, str(e))
+                self._refuse_queued(handle, str(e))
                 continue
             except Exception as e:  # never let one bad request kill the loop
                 log.error("add_request failed", exc_info=e)
-                self.reject(handle, f"{type(e).__name__}: {e}")
+                self._refuse_queued(handle, f"{type(e).__name__}: {e}")
                 continue
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
             key = self._cancel_channel.register(uid) if parsed.from_ensemble else ""
@@ -278,10 +299,13 @@ class EngineLoop:
                 return
         if msg.next_tokens and st.stream.t_first is None:
             st.stream.t_first = now
+            self._dequeued += 1
             self.metrics.observe_ttft(now - st.stream.t_arrival)
         self.metrics.add_generated_tokens(len(msg.next_tokens))
         if msg.finished:
             del self._active[msg.uid]
+            if st.stream.t_first is None:  # ended before its first token
+                self._dequeued += 1
             self._cancel_channel.unregister(st.stream.cancel_key)
             self.metrics.count_finish(msg.finish_reason or "stop")
             n_out = msg.num_output_tokens
@@ -303,13 +327,17 @@ class EngineLoop:
         st.held_tokens.extend(msg.next_tokens)
         if msg.logprobs:
             st.held_logprobs.extend(msg.logprobs)
+        if msg.top_logprobs:
+            st.held_top_logprobs.extend(msg.top_logprobs)
         if msg.finished:
             outputs = st.stream.outputs(msg, st.held_tokens, st.held_logprobs if st.stream.parsed.return_logprobs else None,
-                                 [], st.stream.parsed.prompt_text, now)
+                                 [], st.stream.parsed.prompt_text, now, top_logprobs=st.held_top_logprobs or None)
             out.append((st.stream.handle, outputs, None, True, st.stream))
 
     def _fail_all(self, error: str) -> None:
         for uid, st in list(self._active.items()):
+            if st.stream.t_first is None:
+                self._dequeued += 1
             try:
                 self.sched.abort(uid)
             except Exception:

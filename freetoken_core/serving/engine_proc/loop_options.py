@@ -48,3 +48,6 @@ class LoopOptions:
     inline_send_max: int = 2
     # what the ensemble's slim responses carry to prove they come from this server (serving/triton/ensemble_secret.py)
     route_tag: tuple[int, int] = (0, 0)
+    # > 0: a request that finds this many of this instance's requests not yet generating (queued, or in their
+    # prefill) is refused at once (ServingConfig.max_queued_requests)
+    max_queued_requests: int = _SERVED.max_queued_requests

@@ -5,19 +5,26 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleStep
-from freetoken_core.serving.openai.generation import SSE_DONE, Tally, all_steps, sse, token_logprobs
+from freetoken_core.serving.openai.generation import (SSE_DONE, Tally, all_steps, sse, token_logprobs,
+                                                     top_token_logprobs)
 from freetoken_core.serving.openai.output_pipe import OutputDelta, OutputPipe
-from freetoken_core.serving.openai.protocol import ChatCompletionRequest, new_id, now, tool_call_dicts
+from freetoken_core.serving.openai.protocol import (ChatCompletionRequest, new_id, now, tool_call_delta_dicts,
+                                                   tool_call_dicts)
 from freetoken_core.serving.openai.served_model import ServedModel
+from freetoken_core.serving.openai.tool_parsers import assemble_calls, param_types_of
 
 
 def _pipe(req: ChatCompletionRequest, model: ServedModel) -> OutputPipe:
-    return OutputPipe.for_model(model.tool_format, model.starts_in_reasoning, tools_on=req.tool_choice != "none")
+    return OutputPipe.for_model(model.tool_format, model.starts_in_reasoning, tools_on=req.tool_choice != "none",
+                                param_types=param_types_of(req.tools))
 
 
 def _logprob_entries(model: ServedModel, step: EnsembleStep) -> list[dict[str, Any]]:
-    return [{"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-            for text, lp in token_logprobs(model.tokenizer, step)]
+    def entry(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return [{**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+            for (text, lp), top in zip(token_logprobs(model.tokenizer, step), top_token_logprobs(model.tokenizer, step))]
 
 
 async def chat_completion(req: ChatCompletionRequest, model: ServedModel, first: EnsembleStep,
@@ -33,13 +40,13 @@ async def chat_completion(req: ChatCompletionRequest, model: ServedModel, first:
     deltas.append(pipe.finish())
     content = [d.content for d in deltas]
     reasoning = [d.reasoning for d in deltas]
-    calls = [c for d in deltas for c in d.calls]
+    calls = assemble_calls([c for d in deltas for c in d.calls])
     message: dict[str, Any] = {"role": "assistant", "content": "".join(content) or (None if calls else ""),
                                "refusal": None}
     if pipe.has_reasoning:
         message["reasoning_content"] = "".join(reasoning) or None
     if calls:
-        message["tool_calls"] = tool_call_dicts(calls, 0, streamed=False)
+        message["tool_calls"] = tool_call_dicts(calls)
     return {
         "id": new_id("chatcmpl"), "object": "chat.completion", "created": now(), "model": model.name,
         "choices": [{"index": 0, "message": message,
@@ -71,7 +78,7 @@ async def chat_completion_stream(req: ChatCompletionRequest, model: ServedModel,
         if d.content:
             delta["content"] = d.content
         if d.calls:
-            delta["tool_calls"] = tool_call_dicts(list(d.calls), pipe.num_calls - len(d.calls), streamed=True)
+            delta["tool_calls"] = tool_call_delta_dicts(list(d.calls))
         return delta
 
     yield chunk({"role": "assistant", "content": ""})

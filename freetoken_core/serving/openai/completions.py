@@ -5,43 +5,48 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleStep
-from freetoken_core.serving.openai.generation import SSE_DONE, Tally, all_steps, sse, token_logprobs
+from freetoken_core.serving.openai.generation import (SSE_DONE, Tally, all_steps, sse, token_logprobs,
+                                                     top_token_logprobs)
 from freetoken_core.serving.openai.protocol import CompletionRequest, new_id, now
 from freetoken_core.serving.openai.served_model import ServedModel
-from freetoken_core.serving.openai.translate import completion_prompt
+from freetoken_core.serving.openai.translate import echo_text
 
 
 class _Logprobs:
-    """The legacy completions logprobs object: tokens, their logprobs and text offsets (no top logprobs)."""
+    """The legacy completions logprobs object: tokens, their logprobs, the top ones ({text: logprob}, when the
+    request's logprobs is above 0) and text offsets."""
 
-    def __init__(self, offset: int) -> None:
+    def __init__(self, offset: int, top: bool) -> None:
         self.tokens: list[str] = []
         self.values: list[float] = []
         self.offsets: list[int] = []
+        self.top: list[dict[str, float]] | None = [] if top else None
         self._offset = offset
 
-    def add(self, pairs: list[tuple[str, float]]) -> None:
-        for text, lp in pairs:
+    def add(self, model: ServedModel, step: EnsembleStep) -> None:
+        for (text, lp), top in zip(token_logprobs(model.tokenizer, step), top_token_logprobs(model.tokenizer, step)):
             self.tokens.append(text)
             self.values.append(lp)
             self.offsets.append(self._offset)
             self._offset += len(text)
+            if self.top is not None:
+                self.top.append(dict(top))
 
     def body(self, start: int = 0) -> dict[str, Any]:
         return {"tokens": self.tokens[start:], "token_logprobs": self.values[start:],
-                "top_logprobs": None, "text_offset": self.offsets[start:]}
+                "top_logprobs": self.top[start:] if self.top is not None else None, "text_offset": self.offsets[start:]}
 
 
 async def completion(req: CompletionRequest, model: ServedModel, first: EnsembleStep,
                      rest: AsyncIterator[EnsembleStep]) -> dict[str, Any]:
     tally, texts = Tally(), []
-    echo = completion_prompt(req) if req.echo else ""
-    logprobs = _Logprobs(len(echo))
+    echo = echo_text(req, model)
+    logprobs = _Logprobs(len(echo), bool(req.logprobs))
     async for step in all_steps(first, rest):
         tally.add(step)
         texts.append(step.text)
         if req.logprobs is not None:
-            logprobs.add(token_logprobs(model.tokenizer, step))
+            logprobs.add(model, step)
     return {
         "id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model.name,
         "choices": [{"index": 0, "text": echo + "".join(texts),
@@ -56,8 +61,8 @@ async def completion_stream(req: CompletionRequest, model: ServedModel, first: E
     tally = Tally()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     base = {"id": new_id("cmpl"), "object": "text_completion", "created": now(), "model": model.name}
-    echo = completion_prompt(req) if req.echo else ""
-    logprobs = _Logprobs(len(echo))
+    echo = echo_text(req, model)
+    logprobs = _Logprobs(len(echo), bool(req.logprobs))
 
     def chunk(text: str, finish_reason: str | None = None, lp: Any = None) -> str:
         body = {**base, "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
@@ -73,7 +78,7 @@ async def completion_stream(req: CompletionRequest, model: ServedModel, first: E
             lp = None
             if req.logprobs is not None and step.token_ids:
                 start = len(logprobs.tokens)
-                logprobs.add(token_logprobs(model.tokenizer, step))
+                logprobs.add(model, step)
                 lp = logprobs.body(start)
             if step.text or lp:
                 yield chunk(step.text, lp=lp)

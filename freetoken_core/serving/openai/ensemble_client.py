@@ -33,16 +33,23 @@ class EnsembleRequest:
 
     text_input: str | None = None
     messages: list[dict[str, Any]] | None = None
+    input_ids: tuple[int, ...] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_words: tuple[str, ...] = ()
     return_logprobs: bool = False
+    top_logprobs: int = 0  # n > 0: the n most likely tokens of each position too
     sampling_parameters: Mapping[str, Any] = field(default_factory=dict)
 
     def tensors(self) -> dict[str, np.ndarray]:
@@ -52,8 +59,15 @@ class EnsembleRequest:
             out["text_input"] = _string(self.text_input)
         if self.messages is not None:
             out["messages"] = _string(json.dumps(self.messages, ensure_ascii=False))
+        if self.input_ids is not None:
+            out["input_ids"] = np.array(self.input_ids, dtype=np.int32)
+        if self.tools:
+            out["tools"] = _string(json.dumps(self.tools, ensure_ascii=False))
+        if self.chat_template_kwargs:
+            out["chat_template_kwargs"] = _string(json.dumps(dict(self.chat_template_kwargs), ensure_ascii=False))
         for name, dtype in (("max_tokens", np.int32), ("temperature", np.float32), ("top_p", np.float32),
-                            ("top_k", np.int32), ("min_p", np.float32), ("seed", np.int64),
+                            ("top_k", np.int32), ("min_p", np.float32), ("presence_penalty", np.float32),
+                            ("frequency_penalty", np.float32), ("repetition_penalty", np.float32), ("seed", np.int64),
                             ("min_tokens", np.int32), ("ignore_eos", np.bool_)):
             value = getattr(self, name)
             if value is not None:
@@ -62,6 +76,8 @@ class EnsembleRequest:
             out["stop_words"] = np.array([s.encode() for s in self.stop_words], dtype=np.object_)
         if self.return_logprobs:
             out["return_logprobs"] = np.array([True])
+        if self.top_logprobs:
+            out["num_top_logprobs"] = np.array([self.top_logprobs], dtype=np.int32)
         if self.sampling_parameters:
             out["sampling_parameters"] = _string(json.dumps(dict(self.sampling_parameters)))
         for name in ALWAYS_RETURNED:
@@ -83,6 +99,16 @@ class EnsembleStep:
     finish_reason: str  # "" until the last response
     num_input_tokens: int | None
     num_output_tokens: int | None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token: (id, logprob), best first
+
+
+def _top_logprobs(ids: np.ndarray | None, values: np.ndarray | None, num_tokens: int):
+    """The flat top_logprob_ids / top_logprobs outputs (n per token) -> per token (id, logprob) pairs."""
+    if ids is None or values is None or not num_tokens or ids.size % num_tokens:
+        return ()
+    n = ids.size // num_tokens
+    pairs = list(zip(ids.reshape(-1).tolist(), values.reshape(-1).tolist()))
+    return tuple(tuple(pairs[i * n:(i + 1) * n]) for i in range(num_tokens))
 
 
 def read_step(result: Any) -> EnsembleStep:
@@ -103,6 +129,7 @@ def read_step(result: Any) -> EnsembleStep:
         finish_reason=(reason.reshape(-1)[0].decode() if reason is not None and reason.size else ""),
         num_input_tokens=int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None,
         num_output_tokens=int(n_out.reshape(-1)[0]) if n_out is not None and n_out.size else None,
+        top_logprobs=_top_logprobs(arr("top_logprob_ids"), arr("top_logprobs"), ids.size if ids is not None else 0),
     )
 
 

@@ -44,22 +44,33 @@ class Tally:
         return "tool_calls" if tool_calls else "stop"
 
 
+QUEUE_FULL_MARK = "(max_queued_requests="  # in the engine's refusal when its queue is full (engine_loop.py)
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 # the ensemble's refusals start with the input they name; the OpenAI field that set it
 _PARAM_OF_MESSAGE = (("chat message", "messages"), ("messages", "messages"), ("max_tokens", "max_tokens"),
+                     ("tools", "tools"), ("chat_template_kwargs", "chat_template_kwargs"), ("input_ids", "prompt"),
                      ("the prompt", "prompt"), ("stop", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
-                     ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"))
+                     ("top_k", "top_k"), ("min_p", "min_p"), ("seed", "seed"), ("min_tokens", "min_tokens"),
+                     ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                     ("repetition_penalty", "repetition_penalty"))
+
+
+def param_of_message(message: str) -> str | None:
+    """The OpenAI field an ensemble (or tokenizer) refusal is about, from the input its message starts with."""
+    return next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
 
 
 async def engine_error(client: EnsembleClient, e: EngineError, status: int = 400) -> APIError:
     """A request the ensemble refused: 503 when the server is not ready (the engine is down or restarting), else
     the ensemble's own message as a 400 (its refusals name the bad input), or `status` for a failure mid-answer."""
     message = _ENSEMBLE_PREFIX.sub("", str(e))
+    if QUEUE_FULL_MARK in message:
+        return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded")
     if not await client.ready():
         return APIError(503, f"the engine is not ready: {message}", type_="service_unavailable")
     if status != 400:
         return APIError(status, message)
-    param = next((p for start, p in _PARAM_OF_MESSAGE if message.startswith(start)), None)
+    param = param_of_message(message)
     if param and not message.startswith(param):
         message = f"{param}: {message}"
     return APIError(400, message, param=param)
@@ -84,6 +95,18 @@ async def all_steps(first: EnsembleStep, rest: AsyncIterator[EnsembleStep]) -> A
         yield step
 
 
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
 def token_logprobs(tok: Tokenizer, step: EnsembleStep) -> list[tuple[str, float]]:
     """(token text, logprob) of each token of a response that carries logprobs."""
-    return [(tok.decode([t], skip_special_tokens=False), lp) for t, lp in zip(step.token_ids, step.logprobs)]
+    return [(token_text(tok, t), lp) for t, lp in zip(step.token_ids, step.logprobs)]
+
+
+def top_token_logprobs(tok: Tokenizer, step: EnsembleStep) -> list[list[tuple[str, float]]]:
+    """Per token of the response: (text, logprob) of the most likely tokens, best first (empty lists when the
+    request asked for none)."""
+    if not step.top_logprobs:
+        return [[] for _ in step.token_ids]
+    return [[(token_text(tok, t), lp) for t, lp in top] for top in step.top_logprobs]

@@ -6,14 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from freetoken_core.serving.openai.reasoning import ReasoningParser
-from freetoken_core.serving.openai.tool_parsers import TOOL_PARSERS, ToolCall, ToolCallParser
+from freetoken_core.serving.openai.tool_parsers import CallPiece, ParamTypes, ToolCallParser
 
 
 @dataclass(frozen=True)
 class OutputDelta:
     content: str = ""
     reasoning: str = ""
-    calls: tuple[ToolCall, ...] = ()
+    calls: tuple[CallPiece, ...] = ()  # pieces of tool calls as they stream
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.calls)
@@ -23,14 +23,19 @@ class OutputPipe:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None) -> None:
         self._reasoning = reasoning
         self._tools = tools
-        self.num_calls = 0
 
     @classmethod
-    def for_model(cls, tool_format: str | None, starts_in_reasoning: bool | None, tools_on: bool) -> "OutputPipe":
-        """The parsers the model's chat template calls for (tool calls unless tool_choice is 'none')."""
+    def for_model(cls, tool_format: str | None, starts_in_reasoning: bool | None, tools_on: bool,
+                  param_types: ParamTypes | None = None) -> "OutputPipe":
+        """The parsers the model's chat template calls for (tool calls unless tool_choice is 'none'); param_types
+        (tool_parsers.param_types_of the request's tools) type the XML format's values."""
         reasoning = None if starts_in_reasoning is None else ReasoningParser(starts_in_reasoning)
-        tools = ToolCallParser(TOOL_PARSERS[tool_format]) if tool_format and tools_on else None
+        tools = ToolCallParser(tool_format, param_types) if tool_format and tools_on else None
         return cls(reasoning, tools)
+
+    @property
+    def num_calls(self) -> int:
+        return self._tools.calls_started if self._tools is not None else 0
 
     def feed(self, text: str) -> OutputDelta:
         return self._step(text, final=False)
@@ -46,11 +51,10 @@ class OutputPipe:
         if self._tools is None:
             return OutputDelta(content=text, reasoning=reasoning)
         t = self._tools.feed(text)
-        content, calls = t.content, t.calls
+        content, calls = t.content, t.pieces
         if final:
             rest = self._tools.finish()
-            content, calls = content + rest.content, calls + rest.calls
-        self.num_calls += len(calls)
+            content, calls = content + rest.content, calls + rest.pieces
         return OutputDelta(content=content, reasoning=reasoning, calls=calls)
 
     @property

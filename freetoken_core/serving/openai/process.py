@@ -8,6 +8,7 @@ It dies with the launcher like every other process of the server: the parent-dea
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "FREETOKEN_API_KEY"
 DEFAULT_OPENAI_PORT = 9000
+MAX_WORKERS = 64
+# the app's settings, for worker processes uvicorn spawns (they build the app from them: app_from_env)
+_WORKER_SETTINGS_ENV = "FREETOKEN_OPENAI_WORKER_SETTINGS"
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,11 @@ class FrontendOptions:
     host: str = "0.0.0.0"
     served_model_name: str | None = None
     api_key: str | None = None  # else FREETOKEN_API_KEY, else none
+    workers: int = 1  # uvicorn worker processes sharing the port (one is enough until its CPU is)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"--openai-workers must be from 1 to {MAX_WORKERS}, got {self.workers}")
 
 
 def start_frontend(grpc_url: str, repo_dir: Path, opts: FrontendOptions, log_path: Path | None = None,
@@ -44,6 +53,8 @@ def start_frontend(grpc_url: str, repo_dir: Path, opts: FrontendOptions, log_pat
         cmd += ["--metrics-url", metrics_url]
     if opts.served_model_name:
         cmd += ["--served-model-name", opts.served_model_name]
+    if opts.workers > 1:
+        cmd += ["--workers", str(opts.workers)]
     env = dict(os.environ)
     if opts.api_key:  # by environment, not argv: other local users can read a command line
         env[API_KEY_ENV] = opts.api_key
@@ -82,6 +93,8 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help=f"port of the OpenAI-compatible API (default {DEFAULT_OPENAI_PORT})")
     p.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
     p.add_argument("--served-model-name", help="the model id of the OpenAI API (default: the model directory's name)")
+    p.add_argument("--openai-workers", type=int, default=1,
+                   help="processes serving the OpenAI API on its one port (default 1)")
     p.add_argument("--api-key", default=None,
                    help=f"clients of the OpenAI API must send 'Authorization: Bearer <key>' (default ${API_KEY_ENV})")
 
@@ -91,7 +104,7 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions | None:
     if args.no_openai:
         return None
     return FrontendOptions(port=args.openai_port, host=args.host, served_model_name=args.served_model_name,
-                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, workers=args.openai_workers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,21 +115,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=DEFAULT_OPENAI_PORT)
     p.add_argument("--served-model-name")
     p.add_argument("--metrics-url", help="Triton's metrics URL, served again at /metrics")
+    p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging()
     watch_parent("openai frontend")
     import uvicorn
 
+    settings = {"grpc_url": args.grpc_url, "repo_dir": str(args.repo_dir),
+                "served_model_name": args.served_model_name, "metrics_url": args.metrics_url}
+    log.info("OpenAI API on %s:%d (ensemble at %s, %d worker(s))%s", args.host, args.port, args.grpc_url,
+             args.workers, ", API key required" if os.environ.get(API_KEY_ENV) else "")
+    if args.workers == 1:
+        uvicorn.run(_app(settings), host=args.host, port=args.port, log_level="warning", access_log=False)
+        return 0
+    os.environ[_WORKER_SETTINGS_ENV] = json.dumps(settings)  # inherited by the workers uvicorn spawns
+    uvicorn.run(f"{__name__}:app_from_env", factory=True, workers=args.workers, host=args.host, port=args.port,
+                log_level="warning", access_log=False)
+    return 0
+
+
+def _app(settings: dict):
     from freetoken_core.serving.openai.app import create_app
     from freetoken_core.serving.openai.served_model import load_served_model
 
-    model = load_served_model(args.repo_dir, args.served_model_name)
-    app = create_app(args.grpc_url, model, api_key=os.environ.get(API_KEY_ENV) or None,
-                     metrics_url=args.metrics_url)
-    log.info("OpenAI API for model '%s' on %s:%d (ensemble at %s)%s", model.name, args.host, args.port,
-             args.grpc_url, ", API key required" if os.environ.get(API_KEY_ENV) else "")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
-    return 0
+    model = load_served_model(Path(settings["repo_dir"]), settings["served_model_name"])
+    log.info("serving model '%s' (pid %d)", model.name, os.getpid())
+    return create_app(settings["grpc_url"], model, api_key=os.environ.get(API_KEY_ENV) or None,
+                      metrics_url=settings["metrics_url"])
+
+
+def app_from_env():
+    """uvicorn's app factory in each worker process: the app from the settings main() left in the environment.
+    A worker exits when its parent (uvicorn's supervisor) dies, like every process of the server."""
+    _configure_logging()  # a spawned worker runs none of main()
+    watch_parent("openai frontend worker")
+    return _app(json.loads(os.environ[_WORKER_SETTINGS_ENV]))
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 if __name__ == "__main__":

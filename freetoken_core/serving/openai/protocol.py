@@ -41,9 +41,9 @@ class _SamplingFields(_Strict):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # the end user's id (OpenAI's abuse monitoring): accepted, not used
     ignore_eos: bool | None = None
@@ -85,7 +85,7 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                503: "service_unavailable"}
+                429: "rate_limit_error", 503: "service_unavailable"}
 
 
 def new_id(prefix: str) -> str:
@@ -101,13 +101,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def tool_call_dicts(calls: list[Any], first_index: int, streamed: bool) -> list[dict[str, Any]]:
-    """Parsed calls -> OpenAI `tool_calls` entries (a streamed delta's carry their index)."""
+def _call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"  # OpenAI's shape of a tool call's id
+
+
+def tool_call_dicts(calls: list[Any]) -> list[dict[str, Any]]:
+    """A whole answer's calls (tool_parsers.ToolCall) -> its message's `tool_calls`."""
+    return [{"id": _call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls]
+
+
+def tool_call_delta_dicts(pieces: list[Any]) -> list[dict[str, Any]]:
+    """Streamed call pieces (tool_parsers.CallPiece) -> a chunk's `delta.tool_calls`: a call's first entry carries
+    its id, type and name; every entry its index and the next part of its arguments."""
     out = []
-    for i, call in enumerate(calls):
-        entry: dict[str, Any] = {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                                 "function": {"name": call.name, "arguments": call.arguments}}
-        if streamed:
-            entry = {"index": first_index + i, **entry}
+    for p in pieces:
+        entry: dict[str, Any] = {"index": p.index, "function": {"arguments": p.arguments}}
+        if p.name is not None:
+            entry = {"index": p.index, "id": _call_id(), "type": "function",
+                     "function": {"name": p.name, "arguments": p.arguments}}
         out.append(entry)
     return out

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from freetoken_core.serving.triton.chat import parse_chat_messages
+from freetoken_core.serving.triton.chat import (parse_chat_messages, parse_chat_template_kwargs, parse_chat_tools,
+                                                tool_call_arguments_as_objects)
 from freetoken_core.serving.launch.repository import get_parameter
 from freetoken_core.serving.openai.reasoning import THINK_OPEN
 from freetoken_core.serving.openai.tool_parsers import tool_parser_for_template
+from freetoken_core.serving.triton.text_models import render_chat_ids
 from freetoken_core.tokenizer.tokenize import Tokenizer, load_tokenizer
 
 # The engine's own default context when max_seq_len is not set (engine/engine.py MAX_DEFAULT_SEQ_LEN), kept here so
@@ -39,9 +41,16 @@ class ServedModel:
         rest = max(1, self.context_limit - prompt_tokens)
         return min(rest, self.max_tokens_limit) if self.max_tokens_limit else rest
 
-    def chat_prompt_tokens(self, messages: list[dict[str, Any]]) -> int:
-        return len(self.tokenizer.apply_chat_template(parse_chat_messages(json.dumps(messages)),
-                                                      add_generation_prompt=True))
+    def chat_prompt_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                           chat_template_kwargs: dict[str, Any] | None = None) -> int:
+        """The prompt's length as the tokenizer step renders it (text_models.render_chat_ids)."""
+        arguments: dict[str, Any] = {}
+        if tools:
+            arguments["tools"] = parse_chat_tools(json.dumps(tools))
+        if chat_template_kwargs:
+            arguments["chat_template_kwargs"] = parse_chat_template_kwargs(json.dumps(chat_template_kwargs))
+        messages = tool_call_arguments_as_objects(parse_chat_messages(json.dumps(messages)))
+        return len(render_chat_ids(self.tokenizer, messages, arguments))
 
     def text_prompt_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))

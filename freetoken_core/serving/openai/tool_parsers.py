@@ -4,9 +4,9 @@
 - `qwen3_xml` (Qwen3.5 / Qwen3.6, Qwen3-Coder):
   `<tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n</function>\n</tool_call>`
 
-Text outside the blocks stays content. A block is parsed once its closing tag arrives (its call is then emitted
-whole: name and complete arguments in one delta, which OpenAI clients accumulate like any other); a block that does
-not parse, or never closes, stays text, verbatim. Streaming and non-streaming share the one state machine.
+Text outside the blocks stays content. A call streams from its header on: its name, then its arguments as they
+come (ToolCallParser says what happens to blocks that are not calls). Streaming and non-streaming answers share
+the one state machine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from freetoken_core.serving.openai.tags import split_at_tag
+from freetoken_core.serving.openai.tags import held_suffix_len, split_at_tag
+from freetoken_core.serving.openai.tool_stream import (
+    BROKEN, DONE, HERMES_HEADER, HERMES_TAIL, MORE, XML_HEADER, XML_TAIL, Advance, HermesArguments, XmlArguments,
+)
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
@@ -29,9 +32,29 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CallPiece:
+    """A part of one call as it streams: its first piece carries the name, every piece more of the arguments."""
+
+    index: int  # the call's position among this answer's calls
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ToolDelta:
     content: str = ""
-    calls: tuple[ToolCall, ...] = ()
+    pieces: tuple[CallPiece, ...] = ()
+
+
+def assemble_calls(pieces: list[CallPiece]) -> list[ToolCall]:
+    """A whole answer's pieces -> its calls."""
+    names: dict[int, str] = {}
+    args: dict[int, list[str]] = {}
+    for p in pieces:
+        if p.name is not None:
+            names[p.index] = p.name
+        args.setdefault(p.index, []).append(p.arguments)
+    return [ToolCall(names[i], "".join(args[i])) for i in sorted(names)]
 
 
 # {function name: {parameter name: JSON-schema type}}: how the XML format's text values become JSON values
@@ -100,55 +123,124 @@ def _typed_value(value: str, schema_type: str | None) -> Any:
         return value
 
 
-class ToolCallParser:
-    """Feed content deltas; get text to pass on and finished calls. States: outside a block (holding a tail that
-    may begin `<tool_call>`) and inside one (buffering until `</tool_call>`)."""
+def _header_name(fmt: str, m: re.Match[str]) -> str | None:
+    if fmt != "hermes":
+        return m.group(1).strip() or None
+    try:
+        return json.loads(f'"{m.group(1)}"') or None
+    except json.JSONDecodeError:  # a bad escape in the name: the block is parsed whole, at its closing tag
+        return None
 
-    def __init__(self, parse_block: BlockParser, param_types: ParamTypes | None = None) -> None:
-        self._parse_block = parse_block
+
+@dataclass(frozen=True)
+class _Format:
+    parse_block: BlockParser  # a whole block (closed before its header matched)
+    header: re.Pattern[str]  # the start of a block whose call streams: group 1 is the function's name
+    tail: re.Pattern[str]  # what may follow the arguments before `</tool_call>`
+
+
+class ToolCallParser:
+    """Feed content deltas; get the text to pass on and the calls' pieces as they come.
+
+    Outside a block, text passes (holding a tail that may begin `<tool_call>`). Inside one, once its header is
+    complete (hermes: `{"name": "f", "arguments": `; XML: `<function=f>`) the call starts: a piece with its name,
+    then its arguments as they come (tool_stream.py). A block whose header never matches is parsed whole at
+    `</tool_call>` and stays text, verbatim, when it is not a call. A block that breaks the format after its header
+    ends its call there (the arguments closed where JSON allows) and the rest of the block, if any, stays text; a call cut
+    off by the end of the output is closed the same way. Every decision depends on the text alone, never on how it
+    was split into chunks, so streamed and whole answers agree."""
+
+    def __init__(self, fmt: str, param_types: ParamTypes | None = None) -> None:
+        self._format = TOOL_FORMATS[fmt]
+        self._fmt = fmt
         self._param_types = param_types or {}
-        self._in_call = False
-        self._pending = ""
-        self.calls_seen = 0
+        self._state = "text"  # text | header | arguments | tail | broken
+        self._buf = ""
+        self._args: HermesArguments | XmlArguments | None = None
+        self.calls_started = 0
 
     def feed(self, delta: str) -> ToolDelta:
-        buf = self._pending + delta
-        self._pending = ""
+        self._buf += delta
         text: list[str] = []
-        calls: list[ToolCall] = []
-        while buf:
-            if not self._in_call:
-                before, found, rest = split_at_tag(buf, CALL_OPEN)
-                text.append(before)
-                if not found:
-                    self._pending = rest
-                    break
-                self._in_call, buf = True, rest
-            else:
-                i = buf.find(CALL_CLOSE)
-                if i < 0:
-                    self._pending = buf
-                    break
-                body, buf = buf[:i], buf[i + len(CALL_CLOSE):]
-                self._in_call = False
-                call = self._parse_block(body, self._param_types)
-                if call is None:
-                    text.append(CALL_OPEN + body + CALL_CLOSE)
-                else:
-                    calls.append(call)
-        self.calls_seen += len(calls)
-        return ToolDelta("".join(text), tuple(calls))
+        pieces: list[CallPiece] = []
+        while self._step(text, pieces):
+            pass
+        return ToolDelta("".join(text), tuple(pieces))
 
     def finish(self) -> ToolDelta:
-        """A block that never closed stays text, with its opening tag."""
-        pending, self._pending = self._pending, ""
-        if self._in_call:
-            self._in_call = False
-            return ToolDelta(CALL_OPEN + pending)
-        return ToolDelta(pending)
+        """The end of the output: a block that never closed stays text (with its opening tag), a call that was
+        streaming is closed."""
+        pieces: tuple[CallPiece, ...] = ()
+        buf, self._buf = self._buf, ""
+        if self._state == "header":
+            buf = CALL_OPEN + buf
+        elif self._state == "arguments":
+            pieces = (CallPiece(self.calls_started - 1, None, self._args.closing()),)
+            buf = ""  # held back as a possible tag start: the cut-off arguments end there
+        elif self._state == "tail" and self._format.tail.match(buf):
+            buf = ""  # the call was complete; only its closing tag is missing
+        self._state = "text"
+        return ToolDelta(buf, pieces)
+
+    def _step(self, text: list[str], pieces: list[CallPiece]) -> bool:
+        """Advance one state on the buffered text; False when it needs more."""
+        buf = self._buf
+        if self._state == "text":
+            before, found, rest = split_at_tag(buf, CALL_OPEN)
+            text.append(before)
+            self._buf = rest
+            if found:
+                self._state = "header"
+            return found
+        close = buf.find(CALL_CLOSE)
+        if self._state == "header":
+            m = self._format.header.match(buf if close < 0 else buf[:close])
+            name = _header_name(self._fmt, m) if m is not None else None
+            if name:
+                self._args = (HermesArguments() if self._fmt == "hermes"
+                              else XmlArguments(self._param_types.get(name, {})))
+                pieces.append(CallPiece(self.calls_started, name, "" if self._fmt == "hermes" else "{"))
+                self.calls_started += 1
+                self._buf, self._state = buf[m.end():], "arguments"
+                return True
+            if close < 0:
+                return False
+            body, self._buf, self._state = buf[:close], buf[close + len(CALL_CLOSE):], "text"
+            call = self._format.parse_block(body, self._param_types)
+            if call is None:
+                text.append(CALL_OPEN + body + CALL_CLOSE)
+            else:
+                pieces.append(CallPiece(self.calls_started, call.name, call.arguments))
+                self.calls_started += 1
+            return True
+        if self._state == "arguments":
+            usable = buf[:close] if close >= 0 else buf[: len(buf) - held_suffix_len(buf, CALL_CLOSE)]
+            adv = self._args.advance(usable)
+            self._buf = buf[adv.consumed:]
+            if adv.status == MORE and close >= 0:  # the block closed inside the arguments
+                adv = Advance(adv.arguments, adv.consumed, BROKEN)
+            if adv.status == BROKEN:
+                adv = Advance(adv.arguments + self._args.closing(), adv.consumed, BROKEN)
+            if adv.arguments:
+                pieces.append(CallPiece(self.calls_started - 1, None, adv.arguments))
+            if adv.status == MORE:
+                return False
+            self._state = "tail" if adv.status == DONE else "broken"
+            return True
+        if close < 0:  # tail or broken: the rest of the block waits for its closing tag
+            return False
+        rest, self._buf, state = buf[:close], buf[close + len(CALL_CLOSE):], self._state
+        self._state = "text"
+        if (state == "broken" and rest.strip()) or (state == "tail" and not self._format.tail.match(rest)):
+            text.append(rest + CALL_CLOSE)  # what the call could not take stays text
+        return True
 
 
-TOOL_PARSERS: dict[str, BlockParser] = {"hermes": parse_hermes_block, "qwen3_xml": parse_xml_block}
+TOOL_FORMATS: dict[str, _Format] = {
+    "hermes": _Format(parse_hermes_block, HERMES_HEADER, HERMES_TAIL),
+    "qwen3_xml": _Format(parse_xml_block, XML_HEADER, XML_TAIL),
+}
+TOOL_PARSERS = tuple(TOOL_FORMATS)  # the registry's names
 
 
 def tool_parser_for_template(chat_template: str) -> str | None:
@@ -169,5 +261,5 @@ def param_types_of(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, st
     return out
 
 
-__all__ = ["ToolCall", "ToolCallParser", "ToolDelta", "TOOL_PARSERS", "param_types_of", "parse_hermes_block",
-           "parse_xml_block", "tool_parser_for_template"]
+__all__ = ["CallPiece", "ToolCall", "ToolCallParser", "ToolDelta", "TOOL_FORMATS", "TOOL_PARSERS", "assemble_calls",
+           "param_types_of", "parse_hermes_block", "parse_xml_block", "tool_parser_for_template"]

@@ -1,12 +1,13 @@
 """OpenAI request bodies -> ensemble requests. Every field the ensemble cannot honour is refused with a 400 that
-names it (never ignored): the engine has no penalties, no logit bias, no top-logprobs outputs, no structured output,
-and the tokenizer step takes no tools or chat-template arguments yet."""
+names it (never ignored): the engine has no logit bias and no structured output (so `response_format` is `text`
+only, and a named or `required` `tool_choice` is asked of the model, not enforced)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from freetoken_core.serving.openai.ensemble_client import EnsembleRequest
+from freetoken_core.serving.openai.generation import param_of_message
 from freetoken_core.serving.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from freetoken_core.serving.openai.served_model import ServedModel
 
@@ -25,11 +26,6 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest, model: ServedM
     check_model(req.model, model)
     if req.n not in (None, 1):
         raise _refuse("n", f"only n=1 is supported (got {req.n}); send n requests instead")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0.0):
-            raise _refuse(name, "this engine has no penalties yet; only 0 (the default) is accepted")
-    if req.repetition_penalty not in (None, 1.0):
-        raise _refuse("repetition_penalty", "this engine has no penalties yet; only 1 (the default) is accepted")
     if req.logit_bias:
         raise _refuse("logit_bias", "not supported by this engine; send the request without it")
     if req.stream_options is not None and not req.stream:
@@ -47,25 +43,33 @@ def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
 
 def _sampling(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     return dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
                 min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, stop_words=_stops(req.stop))
+
+
+def _check_tools(req: ChatCompletionRequest) -> None:
+    names = [(t.get("function") or {}).get("name") for t in req.tools or []]
+    choice = req.tool_choice
+    if choice not in (None, "none", "auto", "required"):
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str)):
+            raise _refuse("tool_choice", "must be 'none', 'auto', 'required' or "
+                                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        if name not in names:
+            raise _refuse("tool_choice", f"names the function {name!r}, which is not among the tools {names}")
+    if choice not in (None, "none") and not req.tools:
+        raise _refuse("tool_choice", "needs tools")
+    if req.parallel_tool_calls is False:
+        raise _refuse("parallel_tool_calls", "false cannot be enforced until structured output lands; leave it out")
 
 
 def chat_request(req: ChatCompletionRequest, model: ServedModel) -> EnsembleRequest:
     _check_common(req, model)
-    if req.tools:
-        raise _refuse("tools", "the ensemble's tokenizer step takes no tools yet (the chat template cannot render "
-                               "them); describe tools in a system message")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise _refuse("tool_choice", "only 'auto' or 'none' until the ensemble takes tools")
-    if req.parallel_tool_calls is not None:
-        raise _refuse("parallel_tool_calls", "the ensemble takes no tools yet")
-    if req.chat_template_kwargs:
-        raise _refuse("chat_template_kwargs", "the ensemble's tokenizer step takes no chat-template arguments yet")
+    _check_tools(req)
     if req.response_format is not None and req.response_format.type != "text":
         raise _refuse("response_format", f"type {req.response_format.type!r} needs structured output, which this "
                                          "engine does not have yet; only 'text'")
-    if req.top_logprobs:
-        raise _refuse("top_logprobs", "the ensemble returns only the sampled token's logprob; only 0 is accepted")
     if req.top_logprobs is not None and not req.logprobs:
         raise _refuse("top_logprobs", "needs logprobs=true")
     if not req.messages:
@@ -73,23 +77,35 @@ def chat_request(req: ChatCompletionRequest, model: ServedModel) -> EnsembleRequ
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         try:
-            max_tokens = model.default_max_tokens(model.chat_prompt_tokens(req.messages))
+            max_tokens = model.default_max_tokens(
+                model.chat_prompt_tokens(req.messages, req.tools, req.chat_template_kwargs))
         except ValueError as e:
-            raise _refuse("messages", str(e)) from None
-    return EnsembleRequest(messages=req.messages, max_tokens=max_tokens, return_logprobs=req.logprobs,
-                           **_sampling(req))
+            raise _refuse(param_of_message(str(e)) or "messages", str(e)) from None
+    return EnsembleRequest(messages=req.messages, tools=req.tools or None,
+                           chat_template_kwargs=req.chat_template_kwargs or None, max_tokens=max_tokens,
+                           return_logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0, **_sampling(req))
 
 
-def completion_prompt(req: CompletionRequest) -> str:
-    """The one text prompt of a completions request."""
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions request: text, or token ids."""
     prompt = req.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if prompt and all(isinstance(p, str) for p in prompt):
-        raise _refuse("prompt", f"one prompt per request (got {len(prompt)}); send one request each")
-    raise _refuse("prompt", "token-id prompts are not supported: the ensemble has no input_ids input; send text")
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if not prompt:
+        raise _refuse("prompt", "must not be empty")
+    raise _refuse("prompt", f"one prompt per request (got {len(prompt)}); send one request each")
+
+
+def echo_text(req: CompletionRequest, model: ServedModel) -> str:
+    """What `echo` puts before the completion: the prompt's text (token ids decoded)."""
+    if not req.echo:
+        return ""
+    prompt = completion_prompt(req)
+    return prompt if isinstance(prompt, str) else model.tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 def completion_request(req: CompletionRequest, model: ServedModel) -> EnsembleRequest:
@@ -98,13 +114,19 @@ def completion_request(req: CompletionRequest, model: ServedModel) -> EnsembleRe
         raise _refuse("suffix", "not supported (no fill-in-the-middle); send the request without it")
     if req.best_of not in (None, 1):
         raise _refuse("best_of", f"only best_of=1 is supported (got {req.best_of})")
-    if req.logprobs:
-        raise _refuse("logprobs", "the ensemble returns only the sampled token's logprob; only 0 is accepted")
     if req.echo and req.logprobs is not None:
         raise _refuse("echo", "echo with logprobs needs the prompt's logprobs, which the ensemble does not return")
     prompt = completion_prompt(req)
     max_tokens = req.max_tokens
+    if isinstance(prompt, list):
+        try:
+            model.tokenizer.check_ids("prompt", prompt)
+        except ValueError as e:
+            raise _refuse("prompt", str(e)) from None
     if max_tokens is None:
-        max_tokens = model.default_max_tokens(model.text_prompt_tokens(prompt))
-    return EnsembleRequest(text_input=prompt, max_tokens=max_tokens, return_logprobs=req.logprobs is not None,
+        max_tokens = model.default_max_tokens(len(prompt) if isinstance(prompt, list)
+                                              else model.text_prompt_tokens(prompt))
+    text, ids = (None, tuple(prompt)) if isinstance(prompt, list) else (prompt, None)
+    return EnsembleRequest(text_input=text, input_ids=ids, max_tokens=max_tokens,
+                           return_logprobs=req.logprobs is not None, top_logprobs=req.logprobs or 0,
                            **_sampling(req))

@@ -379,10 +379,11 @@ class ResponseSender:
     def _send_stream(self, st: StreamState, msgs: list[DetokenizeMsg], direct: bool = False) -> None:
         last = msgs[-1]
         if len(msgs) == 1:
-            tokens, logprobs = last.next_tokens, last.logprobs or None
+            tokens, logprobs, top = last.next_tokens, last.logprobs or None, last.top_logprobs or None
         else:
             tokens = [t for m in msgs for t in m.next_tokens]
             logprobs = [x for m in msgs for x in (m.logprobs or [])] if any(m.logprobs for m in msgs) else None
+            top = [d for m in msgs for d in (m.top_logprobs or [])] or None
         if not tokens and not last.finished:
             return
         now = time.perf_counter()
@@ -401,7 +402,7 @@ class ResponseSender:
         if not st.streamed and st.t_first is not None:
             self._report.first_s.append((st.t_admitted - st.t_arrival, st.t_first - st.t_admitted, now - st.t_first))
         context = st.output_ids[st.window.start():]
-        outputs = st.outputs(last, tokens, logprobs, context, "", now, ack)
+        outputs = st.outputs(last, tokens, logprobs, context, "", now, ack, top)
         st.output_ids.extend(tokens)
         st.window.push(tokens)
         st.streamed = True

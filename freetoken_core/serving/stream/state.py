@@ -44,17 +44,17 @@ class StreamState:
 
     def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
                 context: list[int], prompt_text: str, now: float,
-                ack: tuple[int, int, int] | None = None) -> dict:
+                ack: tuple[int, int, int] | None = None, top_logprobs: list[dict[int, float]] | None = None) -> dict:
         """This response's tensors: the slim ensemble shape for the ensemble's requests (only what the
         detokenizer needs for this one response), the full one for direct clients, whose outputs stay
         as config.pbtxt lists them. The cancel key rides on the first response and then once per
         CANCEL_KEY_INTERVAL_S: the detokenizer asks Triton about a cancel only that often anyway."""
         if not self.cancel_key:
             return build_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, "",
-                                 self.parsed.omit_outputs)
+                                 self.parsed.omit_outputs, top_logprobs)
         key = ""
         if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
             key, self.key_sent_at = self.cancel_key, now
         return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
                                       self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs,
-                                      self.route_tag)
+                                      self.route_tag, top_logprobs)

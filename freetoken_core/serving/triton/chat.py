@@ -62,3 +62,68 @@ def _check_message(i: int, m: Any) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise ValueError(f"chat message {i} 'content' must be a string, got {type(content).__name__}")
     return m
+
+
+# apply_chat_template's own arguments: the request may not set them through chat_template_kwargs
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                       "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                       "truncation", "max_length", "return_tensors", "return_dict",
+                                       "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def parse_chat_tools(text: str) -> list[dict[str, Any]]:
+    """The `tools` input (OpenAI's tools as a JSON list) -> the list the chat template renders."""
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tools is not valid JSON: {e}") from None
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a JSON list of {\"type\": \"function\", \"function\": {...}} objects")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}].function.name must be a non-empty string")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+    return tools
+
+
+def parse_chat_template_kwargs(text: str) -> dict[str, Any]:
+    """The `chat_template_kwargs` input (a JSON object, e.g. {"enable_thinking": false}) -> the template's
+    extra variables."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"chat_template_kwargs is not valid JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("chat_template_kwargs must be a JSON object of template variables")
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {reserved}: they are the request's own fields or "
+                         "the server's")
+    return kwargs
+
+
+def tool_call_arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI sends a past call's arguments as a JSON string; templates (Qwen3.5's XML one) iterate them as an
+    object: a string that holds a JSON object becomes that object."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call

@@ -34,9 +34,10 @@ from freetoken_core.tokenizer.tokenize import config_vocab_size
 log = logging.getLogger("freetoken_core.serving")
 
 INPUT_NAMES = (
-    "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "random_seed",
+    "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "random_seed",
     "min_tokens", "min_length", "ignore_eos", "beam_width", "stop_words", "stop_token_ids", "bad_words",
-    "exclude_input_in_output", "return_logprobs", "return_num_input_tokens", "return_num_output_tokens",
+    "exclude_input_in_output", "return_logprobs", "num_top_logprobs", "return_num_input_tokens", "return_num_output_tokens",
     "return_finish_reason", "sampling_parameters", "text_input", "ensemble_key", "detok_acks",
 )
 
@@ -156,6 +157,7 @@ def loop_options(config: ServingConfig, model_dir: str, instances: int) -> LoopO
         sender_threads=sender_threads(config),
         send_order=send_order,
         route_tag=route_tag(),
+        max_queued_requests=config.max_queued_requests,
     )
 
 

@@ -22,7 +22,7 @@ from freetoken_core.config import SamplingParams
 
 # vLLM SamplingParams keys we do not implement: refused by name instead of silently ignored.
 _UNSUPPORTED_VLLM_KEYS = {
-    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "use_beam_search",
+    "n", "best_of", "use_beam_search",
     "length_penalty", "early_stopping", "prompt_logprobs", "bad_words", "logits_processors",
     "truncate_prompt_tokens", "guided_decoding", "logit_bias", "allowed_token_ids",
 }
@@ -207,6 +207,9 @@ def parse_request(
     take("top_p", "top_p", float)
     take("top_k", "top_k", int)
     take("min_p", "min_p", float)
+    take("presence_penalty", "presence_penalty", float)
+    take("frequency_penalty", "frequency_penalty", float)
+    take("repetition_penalty", "repetition_penalty", float)
     take("random_seed", "seed", int)  # TensorRT-LLM's name
     take("seed", "seed", int)
     take("min_length", "min_tokens", int)  # TensorRT-LLM's name (genai-perf sends it)
@@ -225,7 +228,10 @@ def parse_request(
         raise ValueError(f"beam_width={beam} is not supported (only 1: no beam search)")
 
     return_logprobs = bool(_scalar(tensors.get("return_logprobs")) or False)
-    if return_logprobs and kwargs.get("logprobs") is None:
+    top_n = _scalar(tensors.get("num_top_logprobs"))
+    if top_n is not None and int(top_n) != 0:
+        kwargs["logprobs"] = int(top_n)  # SamplingParams.validate bounds it
+    elif return_logprobs and kwargs.get("logprobs") is None:
         kwargs["logprobs"] = 0
     params = SamplingParams(**kwargs)
     params.validate(max_tokens_limit or None, vocab_size)

@@ -21,6 +21,15 @@ def _bytes1(s: str | None) -> np.ndarray:
     return np.array([(s or "").encode("utf-8")], dtype=np.object_)
 
 
+def top_logprob_tensors(top: list[dict[int, float]] | None) -> dict[str, np.ndarray]:
+    """The top logprobs of a response's tokens (n per token, best first), flattened token by token into
+    `top_logprob_ids` and `top_logprobs` (n * tokens values each); nothing when the client asked for none."""
+    if not top:
+        return {}
+    return {"top_logprob_ids": np.asarray([t for d in top for t in d], dtype=np.int32),
+            "top_logprobs": np.asarray([v for d in top for v in d.values()], dtype=np.float32)}
+
+
 def build_outputs(
     msg: DetokenizeMsg,
     next_tokens: list[int],
@@ -30,9 +39,11 @@ def build_outputs(
     detok_params: str,
     cancel_key: str = "",
     omit: frozenset[str] = frozenset(),
+    top_logprobs: list[dict[int, float]] | None = None,
 ) -> dict[str, np.ndarray]:
     """One response's tensors. `omit` names outputs the client turned off (return_<name>=false);
-    `cancel_key` goes out only when set, i.e. only to the ensemble's detokenizer (serving/stream/cancel.py)."""
+    `cancel_key` goes out only when set, i.e. only to the ensemble's detokenizer (serving/stream/cancel.py);
+    `top_logprobs` only when the client asked for them (num_top_logprobs)."""
     stop = msg.stop_reason
     out = {
         "next_tokens": np.asarray(next_tokens, dtype=np.int32),
@@ -50,6 +61,7 @@ def build_outputs(
     }
     for name in omit:
         out.pop(name, None)
+    out.update(top_logprob_tensors(top_logprobs))
     if cancel_key:
         out["cancel_key"] = _bytes1(cancel_key)
     return out
@@ -121,6 +133,7 @@ def build_ensemble_outputs(
     order_slot: int | None = None,
     logprobs_asked: bool = False,
     route_tag: tuple[int, int] = (0, 0),
+    top_logprobs: list[dict[int, float]] | None = None,
 ) -> dict[str, np.ndarray]:
     """A response meant for the ensemble's stateless detokenizer only: what it needs for this one
     response and nothing else. The tokens and every number go in `meta` (one tensor, layout above);
@@ -154,6 +167,7 @@ def build_ensemble_outputs(
         out["finish_reason"] = _bytes1(msg.finish_reason)
     if logprobs:
         out["logprobs"] = np.asarray(logprobs, dtype=np.float32)
+    out.update(top_logprob_tensors(top_logprobs))
     if prompt_text:
         out["prompt_text"] = _bytes1(prompt_text)
     if detok_params:

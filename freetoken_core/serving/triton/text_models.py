@@ -14,7 +14,8 @@ import numpy as np
 
 from freetoken_core.serving.stream.cancel import notify_cancel
 from freetoken_core.serving.triton.ensemble_secret import ensemble_secret, route_tag
-from freetoken_core.serving.triton.chat import parse_chat_messages
+from freetoken_core.serving.triton.chat import (parse_chat_messages, parse_chat_template_kwargs, parse_chat_tools,
+                                                tool_call_arguments_as_objects)
 from freetoken_core.serving.triton.response import META_LOGPROBS, META_OMIT, EnsembleMeta, read_ensemble_meta
 from freetoken_core.serving.triton.request import _scalar, _strings, _text, check_request_parameters, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
@@ -26,27 +27,11 @@ def _bytes(s: str) -> np.ndarray:
 
 
 def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray], parameters: str = "") -> dict[str, np.ndarray]:
-    """text_input / messages (+ apply_chat_template, stop_words) -> input_ids, stop_token_ids. parameters: the
-    request's parameters as JSON, where Triton's HTTP generate puts unknown (misspelled) fields: refused here, at the
-    ensemble's first step."""
+    """text_input / messages (+ apply_chat_template, tools, chat_template_kwargs, stop_words) or input_ids ->
+    input_ids, stop_token_ids. parameters: the request's parameters as JSON, where Triton's HTTP generate puts
+    unknown (misspelled) fields: refused here, at the ensemble's first step."""
     check_request_parameters(parameters)
-    text = _scalar(tensors.get("text_input"))
-    messages_json = _scalar(tensors.get("messages"))
-    chat = bool(_scalar(tensors.get("apply_chat_template")) or False)
-    text = None if text is None else _text(text)
-    messages_json = None if messages_json is None else _text(messages_json)
-    if messages_json is not None and messages_json.strip():
-        if text:  # which one the client meant is a guess either way: refuse instead of picking one
-            raise ValueError("send either text_input or messages, not both (messages is the whole chat "
-                             "conversation; text_input with apply_chat_template=true is a one-turn chat)")
-        ids = tok.apply_chat_template(parse_chat_messages(messages_json), add_generation_prompt=True)
-    elif text is not None:
-        if chat:
-            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        else:
-            ids = tok.encode(text)
-    else:
-        raise ValueError("missing input: send text_input (or chat messages as JSON in 'messages')")
+    ids = _prompt_ids(tok, tensors)
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
     # A stop word that is one special token (e.g. "<|im_end|>") must stop by id: with
@@ -65,6 +50,60 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray], paramete
         # and that its detokenizer acks each streamed response (the engine's flow control)
         "detok_acks": np.array([True]),
     }
+
+
+def _prompt_ids(tok: Tokenizer, tensors: Mapping[str, np.ndarray]) -> list[int]:
+    text = _scalar(tensors.get("text_input"))
+    text = None if text is None else _text(text)
+    messages_json = _scalar(tensors.get("messages"))
+    messages_json = _text(messages_json) if messages_json is not None and _text(messages_json).strip() else None
+    chat = bool(_scalar(tensors.get("apply_chat_template")) or False)
+    given_ids = tensors.get("input_ids")
+    template_arguments = chat_template_arguments(tensors)
+    if template_arguments and not (messages_json is not None or (text is not None and chat and given_ids is None)):
+        raise ValueError(f"{' and '.join(template_arguments)}: only with a chat (messages, or text_input with "
+                         "apply_chat_template=true)")
+    if given_ids is not None:
+        if text or messages_json is not None:
+            raise ValueError("input_ids: send one prompt (input_ids, text_input or messages), not several")
+        ids = [int(t) for t in np.asarray(given_ids).reshape(-1)]
+        tok.check_ids("input_ids", ids)
+        return ids
+    if messages_json is not None:
+        if text:  # which one the client meant is a guess either way: refuse instead of picking one
+            raise ValueError("send either text_input or messages, not both (messages is the whole chat "
+                             "conversation; text_input with apply_chat_template=true is a one-turn chat)")
+        messages = tool_call_arguments_as_objects(parse_chat_messages(messages_json))
+        return render_chat_ids(tok, messages, template_arguments)
+    if text is None:
+        raise ValueError("missing input: send text_input (or chat messages as JSON in 'messages', or input_ids)")
+    if chat:
+        return render_chat_ids(tok, [{"role": "user", "content": text}], template_arguments)
+    return tok.encode(text)
+
+
+def chat_template_arguments(tensors: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """{"tools": [...], "chat_template_kwargs": {...}} of the inputs the request sent (checked), else {}."""
+    out: dict[str, Any] = {}
+    tools = _scalar(tensors.get("tools"))
+    if tools is not None and _text(tools).strip():
+        out["tools"] = parse_chat_tools(_text(tools))
+    kwargs = _scalar(tensors.get("chat_template_kwargs"))
+    if kwargs is not None and _text(kwargs).strip():
+        out["chat_template_kwargs"] = parse_chat_template_kwargs(_text(kwargs))
+    return out
+
+
+def render_chat_ids(tok: Tokenizer, messages: list[dict[str, Any]], arguments: Mapping[str, Any]) -> list[int]:
+    """The chat's prompt ids with the request's tools and template variables. Tools that the model's template
+    does not render are refused: the model would never see them."""
+    tools = arguments.get("tools")
+    kwargs = dict(arguments.get("chat_template_kwargs") or {})
+    if tools and tok.render_chat(messages, True, tools=tools, **kwargs) == tok.render_chat(messages, True, **kwargs):
+        raise ValueError("tools: this model's chat template does not render tools (the model would never see "
+                         "them); describe them in a system message instead")
+    return tok.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}),
+                                   **kwargs)
 
 
 def cancel_key_of(tensors: Mapping[str, np.ndarray]) -> str:
@@ -152,6 +191,9 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray],
                        include_stop_str_in_output=include, finished=finished)
     prompt = tensors.get("prompt_text")
     text = step.text if prompt is None else _text(_scalar(prompt) or b"") + step.text
+    for name in ("top_logprobs", "top_logprob_ids"):  # sent only when the client asked for them
+        if name in tensors:
+            passthrough[f"{name}_out"] = np.asarray(tensors[name]).reshape(-1)
     logprobs = tensors.get("logprobs")
     if m is None or m.flags & META_LOGPROBS:  # the slim response says whether the client asked for logprobs
         passthrough["logprobs_out"] = (_EMPTY_FLOAT if logprobs is None

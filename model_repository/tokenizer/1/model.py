@@ -7,7 +7,7 @@ from freetoken_core.lifetime import watch_parent
 from freetoken_core.serving.triton.text_models import tokenize_request
 from freetoken_core.serving.triton.triton_io import model_tokenizer, respond_each
 
-INPUTS = ("text_input", "messages", "apply_chat_template", "stop_words")
+INPUTS = ("text_input", "messages", "apply_chat_template", "tools", "chat_template_kwargs", "input_ids", "stop_words")
 
 
 class TritonPythonModel:
