@@ -51,6 +51,7 @@ class Req:
     pending_ids: list[int] = field(default_factory=list)  # the draft tokens of those rows
     spec_accepted: int = 0
     spec_proposed: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at its first admission
 
     @property
     def seq_len(self) -> int:

@@ -19,6 +19,7 @@ class DetokenizeMsg:
     error: str | None = None  # set with finish_reason "error"
     spec_accepted: int = 0  # speculative decoding: draft tokens accepted so far
     spec_proposed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @classmethod
     def failed(cls, uid: int, error: str) -> "DetokenizeMsg":

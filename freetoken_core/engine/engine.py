@@ -14,6 +14,7 @@ from ..env import kernel_env
 from ..core import Batch, Context, Phase, Req, set_context, to_device
 from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep
 from ..kvcache.manager import CacheManager, pages_for
+from ..kvcache.prefix_cache import PrefixCache
 from ..kvcache.pool import KVCache, KVCacheShape
 from ..layers.linear import use_gemv_for_all_sizes
 from ..kernels.pdl import device_uses_pdl
@@ -99,7 +100,9 @@ class Engine:
         self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape)
         self.kv_cache = KVCache(shape, num_pages, self.device)
-        self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device)
+        prefix = PrefixCache(config.page_size) if config.enable_prefix_caching else None
+        self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device,
+                                  prefix)
         self.linear_steps = (LinearStateSteps(self.linear_pool, self.cache.dummy_row, self.device)
                              if self.linear_pool is not None else None)
         self.attn_backend: AttnBackend = create_backend(config.attention_backend, layout, self.kv_cache, self.cache.page_table)

@@ -55,13 +55,20 @@ def plan_prefill(
     num_admitted = len(running)
     while waiting and budget > 0 and num_admitted < max_running_req and cache.num_free_rows > 0:
         req = waiting[0]
+        cache.assign_row(req)
+        # the longest cached prefix (whole pages), leaving at least one token to run for the logits
+        matched = cache.attach_prefix(req, req.seq_len - 1)
         # the whole uncached sequence plus headroom must fit, not just this chunk: a request that
         # cannot finish its prefill would hold pages that decoders need
         need = cache.pages_needed(req, req.seq_len + headroom)
         if need > cache.num_free_pages - reserved:
+            cache.free(req)  # the row back, the prefix unlocked
             break
         waiting.popleft()
-        cache.assign_row(req)
+        req.cached_len = matched
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = min(matched, req.prompt_len)
+            cache.count_lookup(req.prompt_len, req.num_cached_tokens)
         n = min(req.seq_len - req.cached_len, budget)
         cache.allocate(req, req.cached_len + n)
         reserved += cache.pages_needed(req, req.seq_len + headroom)

@@ -188,6 +188,7 @@ class Scheduler:
                 self.waiting.remove(req)
             req.inflight = 0
             msgs.append(self._fail(req, error))
+        self.cache.drop_unreferenced()  # an abort during the failed step may have cached pages it wrote
         return msgs
 
     def _fail(self, req: Req, error: str) -> DetokenizeMsg:
@@ -407,7 +408,8 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-        self.cache.free(req)
+        # what it computed stays cached for later requests, but not after an error (its K/V is suspect)
+        self.cache.free(req, 0 if reason == "error" else self._written_len(req))
         self._by_uid.pop(req.uid, None)
         self._stop_checkers.pop(req.uid, None)
         if self.spec is not None:
@@ -417,9 +419,14 @@ class Scheduler:
         """Out of pages: give a running request's cache back and queue it first for recompute."""
         log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
         self.running.remove(req)
-        self.cache.free(req)
+        self.cache.free(req, self._written_len(req))  # cached: its re-admission takes it back
         req.cached_len = 0
         self.waiting.appendleft(req)
+
+    @staticmethod
+    def _written_len(req: Req) -> int:
+        """Tokens whose K/V a request has written: the last committed token never ran (nor drafts)."""
+        return min(req.cached_len, req.seq_len - 1)
 
     def _message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
         want_lp = req.sampling.logprobs is not None and lp_start is not None
@@ -429,4 +436,5 @@ class Scheduler:
             req.output_logprobs[lp_start:] if want_lp else None,
             req.output_top_logprobs[lp_start:] if want_lp and req.sampling.logprobs else None,
             len(req.input_ids), len(req.output_ids), None, req.spec_accepted, req.spec_proposed,
+            req.num_cached_tokens or 0,
         )
