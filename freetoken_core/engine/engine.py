@@ -100,7 +100,8 @@ class Engine:
         self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape)
         self.kv_cache = KVCache(shape, num_pages, self.device)
-        prefix = PrefixCache(config.page_size) if config.enable_prefix_caching else None
+        # hybrid models need their linear states snapshotted with the pages (kvcache/hybrid.py)
+        prefix = PrefixCache(config.page_size) if config.enable_prefix_caching and self.linear_pool is None else None
         self.cache = CacheManager(num_pages, config.page_size, config.max_running_req, self.max_seq_len, self.device,
                                   prefix)
         self.linear_steps = (LinearStateSteps(self.linear_pool, self.cache.dummy_row, self.device)

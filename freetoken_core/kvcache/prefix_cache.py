@@ -56,6 +56,7 @@ class PrefixCache:
         self._tiebreak = itertools.count()
         self.query_tokens = 0  # prompt tokens looked up at admission (metrics)
         self.hit_tokens = 0
+        self.evicted_pages = 0
 
     # --- lookup ---------------------------------------------------------------------------
     def match(self, tokens: list[int], need_snapshot: bool = False) -> PrefixMatch:
@@ -141,6 +142,7 @@ class PrefixCache:
             self.num_nodes -= 1
             self.num_unreferenced -= 1
             pages.append(node.page)
+            self.evicted_pages += 1
             if node.snapshot >= 0:
                 snapshots.append(node.snapshot)
                 node.snapshot = -1
