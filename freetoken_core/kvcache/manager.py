@@ -146,9 +146,10 @@ class CacheManager:
             self._table_cpu[req.table_row, i] = DUMMY_PAGE
             self._dirty[(req.table_row, i)] = DUMMY_PAGE
 
-    def free(self, req: Req, cache_tokens: int = 0) -> None:
+    def free(self, req: Req, cache_tokens: int = 0, state_at: int = -1) -> None:
         """Give back every page and the row of a finished, aborted or retracted request. With a prefix cache,
-        the full pages of its first `cache_tokens` tokens (K/V written) are cached instead of freed."""
+        the full pages of its first `cache_tokens` tokens (K/V written) are cached instead of freed.
+        `state_at`: hybrid models, the position its linear states are at (-1: unknown)."""
         if req.table_row < 0:
             return
         row = req.table_row
@@ -157,9 +158,9 @@ class CacheManager:
         if self.prefix is not None:
             tokens = req.token_slice(0, max(cache_tokens, len(locked) * self.page_size))
             path, duplicates = self.prefix.insert(tokens, pages, len(locked))
-            self._on_inserted(req, path)
+            kept = self._on_inserted(req, path, pages, state_at if state_at == cache_tokens else -1)
             self.prefix.unlock(locked)
-            self.pool.free(duplicates + pages[len(path):])
+            self.pool.free(duplicates + [p for p in pages[len(path):] if p != kept])
         else:
             self.pool.free(pages)
         self._table_cpu[row, : len(pages)] = DUMMY_PAGE
@@ -168,13 +169,26 @@ class CacheManager:
         self._free_rows.append(row)
         req.table_row = -1
 
+    def chunk_limit(self, req: Req) -> int | None:
+        """Where the request's next prefill chunk must end (hybrid models: for a state snapshot); None: anywhere."""
+        return None
+
+    def after_chunk(self, req: Req) -> None:
+        """After a prefill chunk of `req` was launched (hybrid models snapshot their states here)."""
+
     def count_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         if self.prefix is not None:
             self.prefix.query_tokens += prompt_tokens
             self.prefix.hit_tokens += hit_tokens
 
-    def _on_inserted(self, req: Req, path: list[PageNode]) -> None:
-        """Hook for the hybrid cache: the request's states are snapshotted at the end of its path."""
+    def _on_inserted(self, req: Req, path: list[PageNode], pages: list[int], state_at: int) -> int:
+        """Hook for the hybrid cache (its states are snapshotted along the path); returns a page of the row
+        it keeps (-1: none)."""
+        return -1
+
+    def _extra_owned_pages(self) -> list[int]:
+        """Pages owned outside the rows and the trie (the hybrid cache's tails)."""
+        return []
 
     def pages_of(self, req: Req) -> list[int]:
         return list(self._pages.get(req.table_row, []))
@@ -225,6 +239,9 @@ class CacheManager:
             self.prefix.check()
             cached = {n.page: n for n in self.prefix.nodes()}
         seen: set[int] = set(cached)
+        for p in self._extra_owned_pages():
+            assert p not in seen, f"page {p} owned twice"
+            seen.add(p)
         refs: dict[int, int] = {}
         for row, pages in self._pages.items():
             locked = self._locked[row]

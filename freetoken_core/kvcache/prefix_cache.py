@@ -31,6 +31,7 @@ class PageNode:
     last_access: int = 0
     snapshot: int = -1  # hybrid models: snapshot slot of the linear states after this page, -1 none
     snapshot_periodic: bool = False  # taken at an interval, not at a sequence boundary: evicted first
+    tails: dict[tuple[int, ...], object] = field(default_factory=dict)  # hybrid: kvcache.hybrid.Tail by tokens
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,8 @@ class PrefixCache:
         self.evicted_pages = 0
 
     # --- lookup ---------------------------------------------------------------------------
-    def match(self, tokens: list[int], need_snapshot: bool = False) -> PrefixMatch:
-        """The longest cached prefix of `tokens` in whole pages (with `need_snapshot`: ending at a node with a
-        snapshot). Touches the matched nodes; does not lock them."""
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        """The longest cached prefix of `tokens` in whole pages. Touches the matched nodes; does not lock them."""
         ps = self.page_size
         node, path = self.root, []
         for start in range(0, len(tokens) - ps + 1, ps):
@@ -70,9 +70,6 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
-        if need_snapshot:
-            while path and path[-1].snapshot < 0:
-                path.pop()
         now = next(self._clock)
         for n in path:
             n.last_access = now
@@ -92,8 +89,7 @@ class PrefixCache:
             n.last_access = now
             if n.ref == 0:
                 self.num_unreferenced += 1
-                if not n.children:
-                    self._push_leaf(n)
+                self._push_leaf(n)
 
     # --- insert ---------------------------------------------------------------------------
     def insert(self, tokens: list[int], pages: list[int], num_locked: int) -> tuple[list[PageNode], list[int]]:
@@ -124,6 +120,8 @@ class PrefixCache:
 
     # --- eviction -------------------------------------------------------------------------
     def _push_leaf(self, node: PageNode) -> None:
+        if node.parent is None or node.ref or node.children or node.tails:
+            return
         heapq.heappush(self._leaves, (node.last_access, next(self._tiebreak), node))
 
     def evict(self, num_pages: int) -> tuple[list[int], list[int]]:
@@ -132,9 +130,9 @@ class PrefixCache:
         pages, snapshots = [], []
         while len(pages) < num_pages and self._leaves:
             stamp, _, node = heapq.heappop(self._leaves)
-            if node.ref or node.children or node.parent is None or stamp != node.last_access:
-                if not node.ref and not node.children and node.parent is not None:
-                    self._push_leaf(node)  # touched since it was pushed: back in at its new time
+            if node.ref or node.children or node.tails or node.parent is None or stamp != node.last_access:
+                if stamp != node.last_access:
+                    self._push_leaf(node)  # touched since it was pushed: back in at its new time (if a leaf)
                 continue
             parent = node.parent
             del parent.children[node.key]
@@ -146,8 +144,7 @@ class PrefixCache:
             if node.snapshot >= 0:
                 snapshots.append(node.snapshot)
                 node.snapshot = -1
-            if parent is not self.root and not parent.children and parent.ref == 0:
-                self._push_leaf(parent)
+            self._push_leaf(parent)
         return pages, snapshots
 
     # --- checks ---------------------------------------------------------------------------

@@ -25,6 +25,13 @@ class PrefillPlan:
         return sum(self.extend_lens)
 
 
+def _chunk(req: Req, budget: int, cache: CacheManager) -> int:
+    """This step's rows of a prompt: under the budget, and ending where the cache wants a state snapshot."""
+    n = min(req.seq_len - req.cached_len, budget)
+    limit = cache.chunk_limit(req)
+    return n if limit is None else min(n, limit - req.cached_len)
+
+
 def plan_prefill(
     prefilling: list[Req],
     waiting: deque[Req],
@@ -41,7 +48,7 @@ def plan_prefill(
     for req in prefilling:
         if budget <= 0:
             break
-        n = min(req.seq_len - req.cached_len, budget)
+        n = _chunk(req, budget, cache)
         if cache.pages_needed(req, req.cached_len + n) > cache.num_free_pages:
             continue  # decoders took the pages; they free them by finishing or being retracted
         cache.allocate(req, req.cached_len + n)
@@ -69,7 +76,7 @@ def plan_prefill(
         if req.num_cached_tokens is None:
             req.num_cached_tokens = min(matched, req.prompt_len)
             cache.count_lookup(req.prompt_len, req.num_cached_tokens)
-        n = min(req.seq_len - req.cached_len, budget)
+        n = _chunk(req, budget, cache)
         cache.allocate(req, req.cached_len + n)
         reserved += cache.pages_needed(req, req.seq_len + headroom)
         reqs.append(req)

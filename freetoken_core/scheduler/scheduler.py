@@ -333,6 +333,8 @@ class Scheduler:
         step = self.engine.launch(batch, banned, gather)
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.cached_len += n
+            if batch.phase == "prefill":
+                self.cache.after_chunk(req)
         for i in batch.sample_reqs:
             batch.reqs[i].inflight += 1
         self._pending = _Pending(batch, step, {batch.reqs[i].uid: row for row, i in enumerate(batch.sample_reqs)})
@@ -409,7 +411,10 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         # what it computed stays cached for later requests, but not after an error (its K/V is suspect)
-        self.cache.free(req, 0 if reason == "error" else self._written_len(req))
+        if reason == "error":
+            self.cache.free(req)
+        else:
+            self.cache.free(req, self._written_len(req), self._state_at(req))
         self._by_uid.pop(req.uid, None)
         self._stop_checkers.pop(req.uid, None)
         if self.spec is not None:
@@ -419,14 +424,23 @@ class Scheduler:
         """Out of pages: give a running request's cache back and queue it first for recompute."""
         log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
         self.running.remove(req)
-        self.cache.free(req, self._written_len(req))  # cached: its re-admission takes it back
+        self.cache.free(req, self._written_len(req), self._state_at(req))  # cached: its re-admission takes it back
         req.cached_len = 0
         self.waiting.appendleft(req)
 
     @staticmethod
     def _written_len(req: Req) -> int:
-        """Tokens whose K/V a request has written: the last committed token never ran (nor drafts)."""
-        return min(req.cached_len, req.seq_len - 1)
+        """Tokens whose K/V a request has written: every launched row (`cached_len`) up to the committed
+        sequence. The last committed token has run only when a step launched before its commit (overlap
+        scheduling) fed it; drafts are never counted (a verify step leaves cached_len at seq_len - 1)."""
+        return min(req.cached_len, req.seq_len)
+
+    def _state_at(self, req: Req) -> int:
+        """The position a hybrid model's linear states are at once the launched steps ran (every launched row
+        advanced them), or -1 when unknown: a pipelined speculative step may hold accepted rows not seen yet."""
+        if req.cached_len > req.seq_len or (self.spec is not None and self.spec.busy):
+            return -1
+        return req.cached_len
 
     def _message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
         want_lp = req.sampling.logprobs is not None and lp_start is not None
