@@ -164,10 +164,10 @@ def bench_engine(model_dir: Path, strategy: str, rate: float | None, args, bw: f
     banks = "-" if strategy == "resident" else (f"reused ({init.bank_s:.1f} s)" if init.reused else f"{init.bank_s:.1f} s")
     print(f"## {strategy}{'' if rate is None else f' rate {rate}'}: engine ready in {build:.1f} s, pinned host banks "
           f"{banks}, expert placement {eng.moe_place_s:.1f} s, graphs {graphs}, executor {executor}, "
-          f"slots/layer {slots}, max_running_req {eng.config.max_running_req}", flush=True)
+          f"slots/layer {slots}, max_running_req {eng.resolved.max_running_req}", flush=True)
     shape = eng.kv_cache.shape
     kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
-    clamp = eng.config.max_running_req
+    clamp = eng.resolved.max_running_req
     timed_decode(sched, 1, args.prompt, 8)  # warm-up (compile, the graphs' first replays)
     timed_decode(sched, min(max_bs, clamp), args.prompt, 4)
     ttft(sched, args.prompt)

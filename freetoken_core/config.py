@@ -144,7 +144,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None
     # > 0: where decode runs in CUDA graphs, also capture prefill steps of up to this many rows (and
     # prefill_graph_max_reqs requests) (engine/prefill_graph.py): a short prompt's eager prefill is launch-bound
-    # (SmolLM2, H200: 17 ms eager, 0.6 ms captured; served at 1 stream +32% tok/s); 0 = eager prefill
+    # (benchmarks/RESULTS.md, prefill-graph row); 0 = eager prefill
     prefill_graph_max_tokens: int = PREFILL_GRAPH_MAX_TOKENS_DEFAULT
     prefill_graph_max_reqs: int = 4
     # prefill steps also carry one row of every decoding request (SGLang's --enable-mixed-chunk), so an
@@ -184,7 +184,13 @@ class EngineConfig:
     prefix_cache_state_gb: float | None = None
     prefix_cache_state_interval: int = 512
 
+    def decode_rows(self) -> int:
+        """Query rows one request runs per decode step: `decode_rows_per_req`, at least k + 1 under
+        speculation (a verify step runs them); every per-request allowance follows this."""
+        return max(self.decode_rows_per_req, self.num_speculative_tokens + 1 if self.speculative else 1)
+
     def validate(self) -> None:
+        """Raise a ValueError naming the field and its limit; never changes a field."""
         if self.speculative not in (None, "ngram"):
             raise ValueError(f"unknown speculative method {self.speculative!r}; known: ngram")
         if self.speculative is not None:
@@ -192,8 +198,6 @@ class EngineConfig:
                 raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
             if not 1 <= self.ngram_min <= self.ngram_max:
                 raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-            # a verify step runs k + 1 rows per request: every per-request allowance follows
-            self.decode_rows_per_req = max(self.decode_rows_per_req, self.num_speculative_tokens + 1)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; use None (from the checkpoint) or 'fp8'")
         if self.max_running_req < 1:

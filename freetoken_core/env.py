@@ -37,18 +37,15 @@ class KernelEnv:
     fused_moe: bool = True  # FREETOKEN_FUSED_MOE: Triton fused-MoE kernels on CUDA (else the torch path)
     decode_fused_merge: bool = False  # FREETOKEN_DECODE_FUSED_MERGE: split-KV decode merges in-kernel (1 launch)
     # FREETOKEN_FUSED_SHARED_EXPERT: a shared expert stacked into the routed ones (one top-k, k + 1 routes; CUDA,
-    # resident experts). Qwen3.6 batch 1 on the H200: 327 -> 364 tok/s (benchmarks/RESULTS.md, tenth session).
+    # resident experts): one top-k instead of two (Qwen3.6 batch-1 row of benchmarks/RESULTS.md).
     fused_shared_expert: bool = True
     fla_prefill: bool = True  # FREETOKEN_FLA_PREFILL: fla-core's chunked GDN prefill on CUDA (if installed and checked)
-    # Batch-1 decode launches folded into their neighbours. Measured one at a time on the H200 (batch-1 decode,
-    # two rounds each, benchmarks/RESULTS.md, fourteenth session), three are on: Qwen3.6 2.507 ms a step, the o_proj
-    # gate 2.469, the K/V store 2.499, the out_proj norm alone 2.505, the three together 2.449; Qwen3-30B 2.409 ->
-    # 2.381 with the K/V store. Two stay off, each measured slower on its own (thirteenth session):
-    # FREETOKEN_ROUTER_TOPK_FUSED: the MoE router's top-k in the router GEMV's launch (its last program ranks;
-    # 30B 2.617 against 2.567 ms)
+    # Batch-1 decode launches folded into their neighbours, each measured on its own (fused-launch rows of
+    # benchmarks/RESULTS.md): the three that won are on, the two measured slower stay off.
+    # FREETOKEN_ROUTER_TOPK_FUSED: the MoE router's top-k in the router GEMV's launch (its last program ranks)
     router_topk_fused: bool = False
-    # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel (Qwen3.6 2.937 against
-    # 2.875 ms; since then its conv state, like the recurrent state, loads before the PDL wait: not re-measured)
+    # FREETOKEN_GDN_FUSED_CONV: the GDN decode conv1d update inside the recurrence kernel (measured slower, before
+    # its conv state moved ahead of the PDL wait: not re-measured)
     gdn_fused_conv: bool = False
     # FREETOKEN_GDN_OUT_NORM_GEMV: the GDN gated output norm inside the out_proj GEMV (one row)
     gdn_out_norm_gemv: bool = True

@@ -53,12 +53,28 @@ class StreamDelta:
 class LLM:
     """Offline engine: `LLM(model_path, dtype=..., max_running_req=..., page_size=..., ...)`.
 
-    Extra keyword arguments are EngineConfig fields."""
+    Extra keyword arguments are EngineConfig fields. `close()` (or leaving `with LLM(...) as llm:`)
+    frees the engine: its graphs, K/V pool, model and tensor-parallel ranks with their process group,
+    so another LLM can start in this process; a stream still open then ends."""
 
     def __init__(self, model_path: str, **engine_kwargs: Any) -> None:
         self.config = EngineConfig(model_path=str(model_path), **engine_kwargs)
         self.scheduler = Scheduler(self.config)
         self.tokenizer = self.scheduler.tokenizer
+        self.closed = False
+
+    def close(self) -> None:
+        """Free the engine now (idempotent). Requests still running end with finish_reason "abort"."""
+        if self.closed:
+            return
+        self.closed = True
+        self.scheduler.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- inputs -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -82,8 +98,8 @@ class LLM:
         outputs = [RequestOutput(prompt_token_ids=p) for p in ids]
         for _ in self._run(ids, params, outputs, detokenize_each_step=False):
             pass
-        # The text of each request once the engine is done, not on its step loop: there it cost ~4 us a token of the
-        # host's time between steps (64 requests: ~0.3 ms a step), which the steps of a fast model then waited for.
+        # The text of each request once the engine is done, not on its step loop: there the host's detokenizing
+        # between steps was time the steps of a fast model waited for.
         # Stop strings need no text here (the scheduler's StopChecker ends the request), and one add() of every token
         # gives the text the step-by-step adds give (IncrementalDetokenizer: the text is defined by the ids alone).
         if self.tokenizer is not None:
@@ -141,6 +157,8 @@ class LLM:
     ) -> Iterator[StreamDelta]:
         """Step the scheduler until every request of the call finished; a delta per message. With
         detokenize_each_step the deltas (and outputs) carry text, else only tokens."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         sched = self.scheduler
         index: dict[int, int] = {}
         detoks: dict[int, IncrementalDetokenizer | None] = {}
@@ -159,13 +177,27 @@ class LLM:
                     if msg.finished:
                         remaining.discard(msg.uid)
                     yield delta
+                    if self.closed:  # closed while the caller held this delta: the engine is gone
+                        yield from self._end_closed(remaining, index, outputs)
+                        return
         finally:
-            # a caller that stops iterating (or an error) must not leave requests holding pages
-            for uid in list(index):
-                if uid in sched._by_uid:
-                    sched.abort(uid)
-            while sched._outbox or sched.in_flight:
-                sched.step()
+            # a caller that stops iterating (or an error) must not leave requests holding pages; after
+            # close() the engine is freed and nothing is left to abort or step
+            if not self.closed:
+                for uid in list(index):
+                    if sched.has_request(uid):
+                        sched.abort(uid)
+                while sched.has_queued_messages or sched.in_flight:
+                    sched.step()
+
+    @staticmethod
+    def _end_closed(remaining: set[int], index: dict[int, int], outputs: list[RequestOutput]) -> Iterator[StreamDelta]:
+        """The final delta of each request a close() cut short."""
+        for uid in sorted(remaining, key=index.__getitem__):
+            out = outputs[index[uid]]
+            out.finish_reason = "abort"
+            yield StreamDelta(index[uid], "", [], True, "abort", None, out.spec_accepted, out.spec_proposed)
+        remaining.clear()
 
     @staticmethod
     def _apply(msg: DetokenizeMsg, out: RequestOutput, detok: IncrementalDetokenizer | None, i: int) -> StreamDelta:

@@ -51,6 +51,9 @@ class TensorParallelGroup:
     def __init__(self, config: Any, device: torch.device) -> None:
         from .worker import worker_main
 
+        if dist.is_initialized():  # torch keeps one default process group per process
+            raise RuntimeError("a tensor-parallel engine is still open in this process: close it first "
+                               "(LLM.close() or `with LLM(...) as llm:`)")
         self.world_size = config.tensor_parallel_size
         self.device = device
         self.backend = backend_for(device, config.tensor_parallel_backend)

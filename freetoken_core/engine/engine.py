@@ -16,71 +16,54 @@ from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateSte
 from ..kvcache.factory import cache_kind, make_cache_manager, plan_snapshots
 from ..kvcache.manager import pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
-from ..layers.linear import use_gemv_for_all_sizes
+from ..layers.gemv_policy import use_gemv_for_all_sizes
 from ..kernels.pdl import device_uses_pdl
 from .batch_builder import build_batch
 from .graph import GraphRunner, default_bs_list
 from .linear_steps import LinearStateSteps
 from .prefill_graph import PrefillGraphRunner, prefill_graph_buckets
+from .resolved import ResolvedEngineConfig, resolve_device, resolve_dtype
 from .sampler import DeviceSample, PinnedPool, SampleOutput, Sampler
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}
 MAX_DEFAULT_SEQ_LEN = 32768
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        from ..models.loader import load_model
+    """`config` is the caller's and stays as given; what the engine decided is `self.resolved`."""
 
+    def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.tp = None
+        cuda_graph = config.cuda_graph and self.device.type == "cuda"
         if config.tensor_parallel_size > 1:  # before the model: its layers are built as this rank's shard
             from ..distributed.group import TensorParallelGroup
 
-            if self.device.type == "cuda" and config.cuda_graph:
+            if cuda_graph:
                 log.warning("tensor_parallel_size %d: CUDA graphs with the collectives inside are not built yet; "
                             "decoding eagerly", config.tensor_parallel_size)
-                config.cuda_graph = False
+                cuda_graph = False
             self.tp = TensorParallelGroup(config, self.device)
         try:
-            self._build(config)
+            self._build(config, cuda_graph)
         except BaseException:
             if self.tp is not None:  # the workers wait for this rank's sizes: stop them, do not leave them hanging
                 self.tp.close()
             raise
 
-    def _build(self, config: EngineConfig) -> None:
+    def _build(self, config: EngineConfig, cuda_graph: bool) -> None:
         from ..models.loader import load_model
 
-        self.moe_strategy = self._moe_strategy()
+        rows = config.decode_rows()
+        self.moe_strategy = self._moe_strategy(cuda_graph)
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
                                 expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None,
                                 quantization=config.quantization)
-        self.moe_executors = self._place_experts()
+        self.moe_executors, max_running_req, cuda_graph = self._place_experts(cuda_graph)
         self._fuse_shared_experts()
         if device_uses_pdl(self.device):  # see its docstring: why only in the PDL chain
             use_gemv_for_all_sizes(self.model, rows=config.speculative is not None)
@@ -89,23 +72,23 @@ class Engine:
         if hasattr(self.model, "ensure_positions"):  # a max_seq_len past the model's own limit
             self.model.ensure_positions(self.max_seq_len)
         # the longest request leaves room for a widened (speculative) step inside its page-table row
-        self.max_req_len = self.max_seq_len - (config.decode_rows_per_req - 1)
+        self.max_req_len = self.max_seq_len - (rows - 1)
         layout = self.model.attn_layout()  # from the model's per-layer cache specs
         shape = KVCacheShape(self.model.num_kv_layers, layout.num_kv_heads, layout.head_dim, config.page_size, self.dtype)
         # hybrid models: the GDN layers' per-request states first (a slot per page-table row, +1 dummy),
         # then the K/V pages take what is left of the budget
-        self.linear_pool = self._linear_state_pool()
+        self.linear_pool = self._linear_state_pool(max_running_req)
         # found once: the verify replay runs every speculative step
         self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
         self.last_verify_state: LinearStateStep | None = None
-        num_pages = self._num_pages(shape)
+        num_pages = self._num_pages(shape, max_running_req)
         kind = cache_kind(config, self.linear_pool, self.tp is not None)
         snapshots = 0
         if kind == "hybrid":  # the prefix cache's linear-state snapshots take their share of the K/V budget
             snapshots, num_pages = plan_snapshots(config, self.linear_pool, num_pages, shape.bytes_per_page())
         self.kv_cache = KVCache(shape, num_pages, self.device)
-        self.cache = make_cache_manager(kind, config, num_pages, self.max_seq_len, self.device, self.kv_cache,
-                                        self.linear_pool, snapshots)
+        self.cache = make_cache_manager(kind, config, num_pages, max_running_req, self.max_seq_len, self.device,
+                                        self.kv_cache, self.linear_pool, snapshots)
         self.linear_steps = (LinearStateSteps(self.linear_pool, self.cache.dummy_row, self.device)
                              if self.linear_pool is not None else None)
         self.attn_backend: AttnBackend = create_backend(config.attention_backend, layout, self.kv_cache, self.cache.page_table)
@@ -114,7 +97,7 @@ class Engine:
             import torch.distributed as dist
 
             self.tp.broadcast(dict(dtype=self.dtype, num_pages=num_pages, max_seq_len=self.max_seq_len,
-                                   max_running_req=config.max_running_req,
+                                   max_running_req=max_running_req,
                                    attention_backend=self.attn_backend.info.name))
             dist.barrier()
         self.sampler = Sampler(self.device, config.seed)
@@ -122,22 +105,30 @@ class Engine:
         self.graph_runner: GraphRunner | None = None
         self.verify_graph_runner: GraphRunner | None = None
         self.prefill_graph_runner: PrefillGraphRunner | None = None
-        if self.device.type == "cuda" and config.cuda_graph:
-            if self.attn_backend.info.supports_cuda_graph:
-                from ..moe.device_cache import preserved_counters
-
-                with preserved_counters(self.moe_executors):  # capture's dummy rows are not served tokens
-                    self._capture_graphs()
-            else:
-                log.warning("attention backend %s cannot capture CUDA graphs; decoding eagerly", self.attn_backend.info.name)
-        log.info(
-            "engine ready: %s on %s (%s), %d KV pages of %d tokens, max_seq_len %d, backend %s",
-            config.model_path, self.device, self.dtype, num_pages - 1, config.page_size, self.max_seq_len,
-            self.attn_backend.info.name,
+        info = self.attn_backend.info
+        if cuda_graph and not info.supports_cuda_graph:
+            log.warning("attention backend %s cannot capture CUDA graphs; decoding eagerly", info.name)
+            cuda_graph = False
+        if cuda_graph and rows > 1 and not info.uniform_extend_graph:
+            log.warning("backend %s cannot capture %d-row verify graphs; verifying eagerly", info.name, rows)
+        self.resolved = ResolvedEngineConfig(
+            device=str(self.device), dtype=str(self.dtype), max_seq_len=self.max_seq_len, max_req_len=self.max_req_len,
+            decode_rows_per_req=rows, max_running_req=max_running_req, num_pages=num_pages - 1,
+            page_size=config.page_size, attention_backend=info.name, moe_strategy=self.moe_strategy,
+            cuda_graph=cuda_graph,
+            cuda_graph_max_bs=min(config.cuda_graph_max_bs or max_running_req, max_running_req) if cuda_graph else 0,
+            verify_cuda_graph=cuda_graph and rows > 1 and info.uniform_extend_graph,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
+        if cuda_graph:
+            from ..moe.device_cache import preserved_counters
+
+            with preserved_counters(self.moe_executors):  # capture's dummy rows are not served tokens
+                self._capture_graphs()
+        log.info("engine ready: %s; %s", config.model_path, self.resolved.describe())
 
     # --- MoE expert placement (freetoken_core/moe) ----------------------------------------------
-    def _moe_strategy(self) -> str:
+    def _moe_strategy(self, cuda_graph: bool) -> str:
         """`auto`: resident when the experts fit the device beside the dense weights, the CUDA-graph pool, the
         prefill workspace and a K/V reserve (moe/residency.py), else offload; "none" for dense models."""
         from ..models.loader import load_config
@@ -153,29 +144,32 @@ class Engine:
         if self.device.type != "cuda":
             return "resident"
         free, _ = torch.cuda.mem_get_info(self.device)
-        plan = residency_plan(self.config, hf_config, self.dtype, free)
+        plan = residency_plan(self.config, hf_config, self.dtype, free, cuda_graph=cuda_graph)
         log.info(plan.describe())
         return "resident" if plan.resident else "offload"
 
-    def _place_experts(self) -> list:
+    def _place_experts(self, cuda_graph: bool) -> tuple[list, int, bool]:
+        """-> (the expert executors, max_running_req after the pool's batch clamp, whether decode may
+        still be captured)."""
         from ..moe.placement import graph_safe, place_experts
 
         self.moe_place_s = 0.0
+        max_running_req = self.config.max_running_req
         if self.moe_strategy in ("resident", "none"):
-            return []
+            return [], max_running_req, cuda_graph
         t0 = time.perf_counter()
         executors, max_bs = place_experts(self.model, self.moe_strategy, self.config, self.device)
         self.moe_place_s = time.perf_counter() - t0  # pinning the host banks + the device cache's self-check
-        if max_bs < self.config.max_running_req:
+        if max_bs < max_running_req:
             log.warning("expert pools of %s slots hold one step of at most %d requests (x %d rows x top-k): "
                         "max_running_req %d -> %d", executors[0].num_slots if hasattr(executors[0], "num_slots") else "?",
-                        max_bs, self.config.decode_rows_per_req, self.config.max_running_req, max_bs)
-            self.config.max_running_req = max_bs
-        if self.config.cuda_graph and self.device.type == "cuda" and not graph_safe(executors):
+                        max_bs, self.config.decode_rows(), max_running_req, max_bs)
+            max_running_req = max_bs
+        if cuda_graph and not graph_safe(executors):
             log.warning("moe_strategy %s reads each layer's routing on the host: decoding without CUDA graphs",
                         self.moe_strategy)
-            self.config.cuda_graph = False
-        return executors
+            cuda_graph = False
+        return executors, max_running_req, cuda_graph
 
     def _fuse_shared_experts(self) -> None:
         """FREETOKEN_FUSED_SHARED_EXPERT: stack each shared expert into its layer's routed experts
@@ -199,12 +193,12 @@ class Engine:
 
         return MoeStats(layer_stats(self.moe_executors)).summary()
 
-    def _linear_state_pool(self) -> LinearStatePool | None:
+    def _linear_state_pool(self, max_running_req: int) -> LinearStatePool | None:
         specs = self.model.linear_state_specs() if hasattr(self.model, "linear_state_specs") else []
         if not specs:
             return None
         state_dtype = STATE_DTYPES[self.config.linear_state_dtype]
-        slots = self.config.max_running_req + 1
+        slots = max_running_req + 1
         pool = LinearStatePool(specs, slots, self.dtype, state_dtype, self.device)
         log.info("linear-state pool: %d GDN layers x %d slots (%d requests + 1 dummy), %.1f MiB per request, "
                  "%.2f GiB in all (%s recurrent state); the K/V pages get the rest of the budget",
@@ -246,10 +240,10 @@ class Engine:
         for layer in self.gdn_layers:
             layer.replay_accepted(step, kept)
 
-    def _num_pages(self, shape: KVCacheShape) -> int:
+    def _num_pages(self, shape: KVCacheShape, max_running_req: int) -> int:
         cfg = self.config
         # never more than every row could use at full length (+1 dummy page)
-        useful = cfg.max_running_req * pages_for(self.max_seq_len, cfg.page_size) + 1
+        useful = max_running_req * pages_for(self.max_seq_len, cfg.page_size) + 1
         if cfg.num_pages is not None:  # usable pages, as the metrics count them (+1: the dummy page)
             return min(cfg.num_pages + 1, useful)
         if self.device.type == "cuda":
@@ -263,18 +257,17 @@ class Engine:
         return min(n, useful)
 
     def _capture_graphs(self) -> None:
-        max_bs = min(self.config.cuda_graph_max_bs or self.config.max_running_req, self.config.max_running_req)
+        max_bs = self.resolved.cuda_graph_max_bs
         self.graph_runner = GraphRunner(
             self.ctx, self._logits_of_all_rows, default_bs_list(max_bs), self.cache.dummy_row,
             self.max_seq_len, self.device, rows_per_req=1, batch_hook=self._graph_linear_state,
             replay_hook=self._graph_linear_state,
         )
         self.graph_runner.capture()
-        rows = self.config.decode_rows_per_req
+        rows = self.resolved.decode_rows_per_req
+        if rows > 1 and not self.resolved.verify_cuda_graph:
+            return  # verify steps run eagerly (logged when resolved), and so do prefill steps
         if rows > 1:
-            if not self.attn_backend.info.uniform_extend_graph:
-                log.warning("backend %s cannot capture %d-row verify graphs; verifying eagerly", self.attn_backend.info.name, rows)
-                return
             # verify steps (speculative decoding): k + 1 rows per request, same graph memory pool
             self.verify_graph_runner = GraphRunner(
                 self.ctx, self._logits_of_all_rows, default_bs_list(max_bs), self.cache.dummy_row,
@@ -295,7 +288,7 @@ class Engine:
         """The small-prefill graph runner (engine/prefill_graph.py) when `prefill_graph_max_tokens` asks
         for one and this engine can run it, else None (prefill stays eager; the log says why).
         Not captured here: `_capture_graphs` captures it; on CPU, tests run its static steps eagerly."""
-        cfg = self.config
+        cfg, max_running_req = self.config, self.resolved.max_running_req
         max_tokens = min(cfg.prefill_graph_max_tokens, cfg.max_extend_tokens, self.max_seq_len)
         if max_tokens < 1:
             return None
@@ -314,7 +307,7 @@ class Engine:
         self.prefill_graph_runner = PrefillGraphRunner(
             self.ctx, self._logits_of_sample_rows, prefill_graph_buckets(max_tokens),
             # a mixed step (mixed_prefill) carries a row of every running request besides the new prompts
-            cfg.max_running_req if cfg.mixed_prefill else min(cfg.prefill_graph_max_reqs, cfg.max_running_req),
+            max_running_req if cfg.mixed_prefill else min(cfg.prefill_graph_max_reqs, max_running_req),
             self.cache.dummy_row, self.device, pool=pool,
             state_hook=self._prefill_graph_linear_state if self.linear_pool is not None else None,
         )
@@ -412,9 +405,21 @@ class Engine:
         return self.forward_logits(batch, self.forward_batch(batch))
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (no-op with one rank)."""
+        """Stop the tensor-parallel workers and leave their process group, then drop the graphs, the
+        K/V and GDN state pools and the model, so the memory returns and another Engine can start in
+        this process. Idempotent; the engine runs no step after it."""
         if self.tp is not None:
             self.tp.close()
+        if getattr(self, "closed", False):
+            return
+        self.closed = True
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight reads what is freed below
+        self.graph_runner = self.verify_graph_runner = self.prefill_graph_runner = None
+        self.ctx = self.attn_backend = self.kv_cache = self.linear_pool = self.linear_steps = None
+        self.model, self.moe_executors, self.last_verify_state, self.gdn_layers = None, [], None, []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def step(self, batch: Batch, banned: dict[int, list[int]] | None = None) -> SampleOutput:
         """Forward + sample, waiting for the result."""

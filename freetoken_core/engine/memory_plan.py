@@ -44,8 +44,10 @@ def activation_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> in
     return (6 * hidden + 2 * widest) * torch.empty((), dtype=dtype).element_size()
 
 
-def residency_plan(config: EngineConfig, hf_config: Any, dtype: torch.dtype, free_bytes: int) -> ResidencyPlan:
-    """Whether the routed experts can stay on a device with `free_bytes` free, and the numbers behind it."""
+def residency_plan(config: EngineConfig, hf_config: Any, dtype: torch.dtype, free_bytes: int,
+                   cuda_graph: bool | None = None) -> ResidencyPlan:
+    """Whether the routed experts can stay on a device with `free_bytes` free, and the numbers behind it.
+    `cuda_graph`: whether decode will be captured (None: as the config asks)."""
     from ..layers.moe import StackedExperts
 
     from ..models.quant import hold_fp8_weights, keeps_fp8, weight_format
@@ -70,9 +72,9 @@ def residency_plan(config: EngineConfig, hf_config: Any, dtype: torch.dtype, fre
     per_token = activation_bytes_per_token(model, dtype)
     vocab = int(text.vocab_size)
     decode_rows = min(config.cuda_graph_max_bs or config.max_running_req, config.max_running_req) \
-        * config.decode_rows_per_req
+        * config.decode_rows()
     graph_pool = 0
-    if config.cuda_graph:  # the captured decode steps (fp32 logits of every row) and prefill steps share one pool
+    if config.cuda_graph if cuda_graph is None else cuda_graph:  # the captured decode steps (fp32 logits of every row) and prefill steps share one pool
         graph_pool = decode_rows * (per_token + 4 * vocab) + config.prefill_graph_max_tokens * per_token
     workspace = config.max_extend_tokens * per_token + config.max_running_req * 4 * vocab + RUNTIME_HEADROOM_BYTES
     return ResidencyPlan(free_bytes, dense, experts, graph_pool, workspace, tokens * kv_per_token + linear_state,

@@ -1,8 +1,7 @@
 """PrefillGraphRunner: CUDA graphs of small prefill steps (EngineConfig.prefill_graph_max_tokens).
 
-Why: an eager prefill of a short prompt is launch-bound. On the H200, SmolLM2's 211-token prefill took
-13.7-14.9 ms of host time for ~300 launches (benchmarks/RESULTS.md), far more than its device work, and
-no request decodes while it runs. Served load makes that the common case: a client keeps C streams busy
+Why: an eager prefill of a short prompt is launch-bound (hundreds of launches cost far more host time than
+its device work, benchmarks/RESULTS.md), and no request decodes while it runs. Served load makes that the common case: a client keeps C streams busy
 and every finished request brings one new prompt, so prompts arrive one at a time and each is a prefill
 step of its own, where an offline run prefills its prompts 16 at a time (issue 13: the 16-stream gap).
 

@@ -14,9 +14,8 @@ optional "down" dict overrides N/K/GROUP/warps/stages for the second GEMM.
 
 ENTRIES ARE TO BE SET BY MEASUREMENT ON THE H200 (benchmarks/bench_moe.py). The one shape below is
 seeded from vLLM's tuned H200 table for E=128, N=768 (its unfused kernel; BLOCK_SIZE_N halved for our
-gated first GEMM, which keeps its grid and its work per program the same), not swept here. One check on
-the H200 (bf16, k = 8, CUDA graph): within 2% of `default_grouped_config` for T <= 512 (T = 64: 289 us,
-4.1 TB/s of the distinct experts' bytes), 14% faster at T = 2048 (537 us vs 621 us).
+gated first GEMM, which keeps its grid and its work per program the same), not swept here; it was checked
+no slower than `default_grouped_config` up to T = 512 and faster at T = 2048 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ from ..env import triton_interpreted
 Config = dict[str, Any]
 
 # T at or below this goes to the decode path (per-route GEMVs reading only the chosen experts); above
-# it, the grouped GEMM. A first look on the H200 (Qwen3-30B-A3B shape, bf16, k = 8, inside a CUDA
-# graph, decode tiles below): T = 1 decode 23.7 us vs grouped 31.4 us, T = 4 72.9 vs 87.6, T = 8 128.0
-# vs 131.0 (even; the decode path also keeps the PDL chain and needs 2 launches instead of 5).
-# To be confirmed by benchmarks/bench_moe.py.
+# it, the grouped GEMM: the decode path was faster up to T = 8 on Qwen3-30B-A3B, keeps the PDL chain and
+# needs 2 launches instead of 5 (to be confirmed by benchmarks/bench_moe.py).
 DECODE_MAX_TOKENS = 8
 
 
@@ -64,18 +61,12 @@ GROUPED_CONFIGS: dict[tuple[int, int, int, str], dict[int, Config]] = {
 # measurement on the H200 (benchmarks/bench_moe_gemv.py --shape all prints the entries;
 # benchmarks/decode_variants.py measures a tile inside the decode graph, which decides).
 DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
-    # One sweep on the H200 (bf16, T = 1, k = 8, 16 routings cycled through all experts inside a CUDA
-    # graph): gate_up 15.1 us (3.3 TB/s), down 8.5 us (2.9 TB/s); the earlier BLOCK_N 16 gate_up about 17 us.
+    # the best tiles of a bench_moe_gemv.py sweep (T = 1, k = 8, inside a CUDA graph)
     (128, 2048, 768, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
                                   "down": dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, num_stages=2)},
-    # Qwen3.6-35B-A3B (256 experts of 512, the shared expert stacked as a 9th route): measured inside the batch-1
-    # decode graph (`benchmarks/decode_variants.py --shape qwen3.6-35b-a3b --prompt 128 --page-size 16`, H200,
-    # 2026-12-02, one run each in one call): the all-routes down tile (8/256/4/4: 16 route lanes for 9 routes,
-    # the tree before) 2.86 ms a step, the route loop 4/512/4/3 2.66 ms (8/256/4/4 as a loop 2.89); gate/up
-    # 4/256/4/2 against 4/128/8/3 (the isolated sweep's tile: 1,152 8-warp programs, more than one wave of the
-    # H200) 2.70 against 2.89 ms. The two new tiles were not measured together. The route loop with its first 4
-    # routes loaded before the PDL wait ("early"; same call, 2026-12-02, two runs each): 2.425 ms a step with 1
-    # (412.4 tok/s), 2.414 with 2, 2.347 with 4 (426.1 tok/s), 2.373 with 8.
+    # Qwen3.6-35B-A3B (256 experts of 512, the shared expert stacked as a 9th route): chosen inside the batch-1
+    # decode graph, where the route loop (9 routes pad to 16 lanes in the all-routes tile) with 4 routes loaded
+    # early was fastest (Qwen3.6 decode-tile row of benchmarks/RESULTS.md).
     (256, 2048, 512, "default"): {"gate_up": dict(BLOCK_N=4, BLOCK_K=256, num_warps=4, num_stages=2),
                                   "down": dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, num_stages=3, routes="loop",
                                                early=4)},

@@ -71,18 +71,16 @@ def fla_available() -> bool:
 # requests takes the first row whose bound covers B * Hv (the programs before the dv split). BV is
 # capped at dv; BV >= dv (one program per head) runs the gated output norm in the kernel's epilogue,
 # smaller tiles pay a separate norm launch. Each program keeps a [dk, BV] fp32 block of the state in
-# registers. Measured on the H200 (Hv = 32, dk = dv = 128, bf16 inputs, fp32 state, CUDA graphs),
-# BV = 8 / 16 / 32 with one warp: decode at batch 64 222 / 126 / 84 us (84 us moves the 268 MB of
-# state read + written at 3.2 TB/s), batch 8 12.8 / 8.8 / 8.1 us, batch 1 3.8 / 2.9 / 3.5 us.
+# registers. Wider tiles win as the batch grows (at batch 64 the state traffic nears the memory bandwidth);
 # `python benchmarks/bench_gdn.py` sweeps these tiles and prints rows to paste here.
 GDN_UPDATE_CONFIGS: tuple[tuple[int, int, int, int], ...] = (
     # benchmarks/bench_gdn.py on the H200 (Qwen3.6: 32 value heads, fp32 state [128, 128] per head),
     # the layer's call with gates and output norm, in a CUDA graph over state slots past the L2:
-    (255, 16, 1, 3),  # up to batch 7: batch 1 4.4 us
-    (511, 32, 1, 1),  # batch 8-15: batch 8 13.1 us, 2554 GB/s
-    (1 << 62, 64, 4, 1),  # batch 16 and up: batch 64 76.8 us, 3497 GB/s (BV 32 / 1 warp: 86.7 us)
+    (255, 16, 1, 3),  # up to batch 7
+    (511, 32, 1, 1),  # batch 8-15
+    (1 << 62, 64, 4, 1),  # batch 16 and up
 )
-# Prefill's token loop: more programs win (one 8192-token sequence: BV = 8 / 16 / 32 10.4 / 12.0 / 18.1 ms)
+# Prefill's token loop: more programs win (the narrowest tile was fastest on an 8192-token sequence)
 GDN_VARLEN_CONFIG: tuple[int, int, int] = (8, 1, 3)
 
 

@@ -8,7 +8,7 @@ gives each program BLOCK_N output rows of W and the whole K, multiplies in fp32 
 reduces once at the end: QKV 84%, O 74%, down 96% there (gate_up is at ~99% either way).
 
 Only one-row half-precision inputs go here (`use_gemv`). By default the weight must also be large
-(linear.GEMV_MIN_ELEMENTS); where programmatic dependent launch chains the kernels
+(layers/gemv_policy.py GEMV_MIN_ELEMENTS); where programmatic dependent launch chains the kernels
 (freetoken_core/kernels/pdl.py), the engine sends small weights here too. Everything else stays on cuBLAS,
 where the tensor-core tiles of a [16, K] x [K, N] product are as good or better.
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-try:  # not yet run on the GPU's Triton 3.6 (the gated GEMV came after the last device session): never let a
-    # missing module take every GEMV down with it
+try:  # the gated GEMV has not yet run on the GPU's Triton 3.6: never let a missing module take every GEMV
+    # down with it
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover
     libdevice = None
@@ -33,7 +33,7 @@ from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
 
 ENABLED = kernel_env().gemv  # FREETOKEN_GEMV=0: cuBLAS everywhere (A/B, debugging)
-# The size rule itself lives with `Linear` (linear.GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
+# The size rule itself lives in layers/gemv_policy.py (GEMV_MIN_ELEMENTS, per layer), which must not import Triton.
 # The gated GEMV's sigmoid takes CUDA's expf (libdevice) when compiled; the interpreter has no libdevice.
 _LIBDEVICE_EXP = tl.constexpr(not triton_interpreted() and libdevice is not None)
 
@@ -148,13 +148,9 @@ def _rows_gemm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-# Measured per weight shape (N, K) where the defaults leave bandwidth unused: with N/16 programs a
-# weight of few output rows fills the GPU's SMs only once. From `bench_gemv.py --shape qwen3-30b-a3b`
-# on the H200, 2026-12-01: o 2048 x 4096 6.2 -> 5.4 us; the MoE routers (tenth session, same sweeps)
-# 128 x 2048 4.9 -> 1.0 us, 256 x 2048 4.9 -> 1.1 us, with the shared gate stacked 257 x 2048 5.0 -> 1.2 us
-# (2 rows a program, the whole K in one step). The LM heads (`bench_gemv.py --only lm_head`, fourteenth
-# session): Qwen3.6's 248320 x 2048 228.5 -> 223.6 us (cuBLAS 244.8), Qwen3-30B's 151936 x 2048 142.1 ->
-# 137.6 us (cuBLAS 150.5). Shapes not listed keep the defaults their own sweeps chose.
+# Tiles per weight shape (N, K) where the defaults leave bandwidth unused (with N/16 programs a weight of
+# few output rows fills the SMs only once), chosen by `bench_gemv.py` sweeps (GEMV row of benchmarks/RESULTS.md).
+# Shapes not listed keep the defaults their own sweeps chose.
 _ROUTER_TILE = dict(block_n=2, block_k=2048, num_warps=8, num_stages=2)
 _LM_HEAD_TILE = dict(block_n=4, block_k=1024, num_warps=4, num_stages=2)
 GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
@@ -192,10 +188,8 @@ ROWS_GEMM_MAX_ROWS = 16  # tl.dot's smallest M tile: more rows go to cuBLAS
 # rows_gemm's launch configuration: the best sum over SmolLM2's four projections at 9 rows in
 # `bench_gemv.py --shape smollm2-135m --rows 9` on the H200 (benchmarks can override it)
 ROWS_GEMM_CONFIG = dict(block_n=16, block_k=256, num_warps=4, num_stages=3)
-# Larger weights stay on cuBLAS. At 9 rows on the H200 the kernel beat cuBLAS on every SmolLM2
-# weight (all under 2M elements) but not on Llama-3.2-1B's or Llama-3-8B's larger ones, whatever
-# the tile width; and a whole 8B verify step (k = 8) took 4.70 ms with cuBLAS against 4.89 ms with
-# the best per-shape tiles: the PDL chain it keeps does not pay for the slower matmuls there.
+# Larger weights stay on cuBLAS: the kernel beat it only on small weights, and on larger ones the PDL
+# chain it keeps did not pay for its slower matmuls (a whole 8B verify step was slower with it).
 ROWS_GEMM_MAX_ELEMENTS = 4 << 20
 
 

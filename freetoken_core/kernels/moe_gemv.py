@@ -132,8 +132,7 @@ def _moe_gemv_down_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_ptr, H,
     # would leave each program one route's rows in flight); the k products are summed in fp32.
     # IDS_BEFORE_WAIT (launched right after the gate/up GEMV of the same routes, which waits for the kernel
     # that wrote the ids before it lets this one start): the ids are final before this kernel's PDL wait, so
-    # the first weight tile loads before it, while the gate/up GEMV still streams (H200, Qwen3-30B-A3B batch 1:
-    # 2.51 -> 2.46 ms a step). Ids read through L2 (.cg).
+    # the first weight tile loads before it, while the gate/up GEMV still streams. Ids read through L2 (.cg).
     t = tl.program_id(0).to(tl.int64)
     if USE_PDL and not IDS_BEFORE_WAIT:
         pdl_wait_then_release()
@@ -192,8 +191,7 @@ def _moe_gemv_down_loop_kernel(act_ptr, w_ptr, ids_ptr, topk_weights_ptr, out_pt
     # The route loop (tile "routes": "loop"): as _moe_gemv_down_kernel, but one flat loop over (route j, K chunk)
     # in route order, one weight tile [BLOCK_N, BLOCK_K] at a time, pipelined by Triton: registers do not grow
     # with k. Where k is not a power of two the all-routes tile pads it (k + 1 = 9 with a stacked shared expert:
-    # 16 route lanes); there this loop was faster on the H200 (Qwen3.6 batch 1: 2.86 -> 2.66 ms a step).
-    # On Qwen3-30B-A3B (k = 8) it was slower (2.46 -> 2.75-3.2 ms): fewer routes' rows in flight at once.
+    # 16 route lanes); there this loop was faster (Qwen3.6), at k = 8 slower (fewer routes' rows in flight).
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H

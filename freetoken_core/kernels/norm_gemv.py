@@ -21,9 +21,8 @@ from .moe_router import rank_when_last
 from .pdl import pdl_launch
 from .pdl_jit import pdl_wait_then_release
 
-# Measured per weight shape (N, K), as gemv.GEMV_CONFIGS (`bench_gemv.py --shape ... --fused` on the H200,
-# 2026-12-01): the fused-norm qkv of Qwen3-30B-A3B 5120 x 2048 8.9 -> 6.4 us and of Qwen3.6's gated
-# attention 9216 x 2048 13.2 -> 10.9 us.
+# Tiles per weight shape (N, K), as gemv.GEMV_CONFIGS, chosen by `bench_gemv.py --shape ... --fused` sweeps
+# (the fused-norm qkv projections of Qwen3-30B-A3B and Qwen3.6).
 NORM_GEMV_CONFIGS: dict[tuple[int, int], dict[str, int]] = {
     (5120, 2048): dict(block_n=8, block_k=512, num_warps=4, num_stages=3),
     (9216, 2048): dict(block_n=4, block_k=1024, num_warps=4, num_stages=2),

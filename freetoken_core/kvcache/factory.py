@@ -49,26 +49,26 @@ def plan_snapshots(config: EngineConfig, linear: LinearStatePool, num_pages: int
     return slots, num_pages
 
 
-def _plain(config, num_pages, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
-    return CacheManager(num_pages, config.page_size, config.max_running_req, max_seq_len, device)
+def _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
+    return CacheManager(num_pages, config.page_size, rows, max_seq_len, device)
 
 
-def _radix(config, num_pages, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
-    return CacheManager(num_pages, config.page_size, config.max_running_req, max_seq_len, device,
-                        PrefixCache(config.page_size))
+def _radix(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
+    return CacheManager(num_pages, config.page_size, rows, max_seq_len, device, PrefixCache(config.page_size))
 
 
-def _hybrid(config, num_pages, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
+def _hybrid(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
     if snapshots < 1:
         log.warning("prefix caching is off: the snapshot budget holds no linear-state snapshot")
-        return _plain(config, num_pages, max_seq_len, device, kv, linear, snapshots)
-    return HybridCacheManager(num_pages, config.page_size, config.max_running_req, max_seq_len, device, kv, linear,
-                              snapshots, config.prefix_cache_state_interval)
+        return _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots)
+    return HybridCacheManager(num_pages, config.page_size, rows, max_seq_len, device, kv, linear, snapshots,
+                              config.prefix_cache_state_interval)
 
 
 CACHE_MANAGERS: dict[str, Callable[..., CacheManager]] = {"plain": _plain, "radix": _radix, "hybrid": _hybrid}
 
 
-def make_cache_manager(kind: str, config: EngineConfig, num_pages: int, max_seq_len: int, device: torch.device,
-                       kv: KVCache, linear: LinearStatePool | None, snapshots: int = 0) -> CacheManager:
-    return CACHE_MANAGERS[kind](config, num_pages, max_seq_len, device, kv, linear, snapshots)
+def make_cache_manager(kind: str, config: EngineConfig, num_pages: int, max_running_req: int, max_seq_len: int,
+                       device: torch.device, kv: KVCache, linear: LinearStatePool | None,
+                       snapshots: int = 0) -> CacheManager:
+    return CACHE_MANAGERS[kind](config, num_pages, max_running_req, max_seq_len, device, kv, linear, snapshots)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel import all_gather_last_dim, all_reduce, tp_info
-from .linear import GEMV_MIN_ELEMENTS, copy_checked, pack_cpu_weight, packed_linear
+from .gemv_policy import GemvRouted
+from .linear import copy_checked, pack_cpu_weight, packed_linear
 
 
 def _vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -50,7 +51,7 @@ def _one_row_gemv(x: torch.Tensor, weight: torch.Tensor, min_elements: int) -> b
     return triton_gemv.use_gemv(x, weight, min_elements)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(GemvRouted, nn.Module):
     """Hidden rows -> vocabulary logits. With `tied` the embedding's weight is shared, not copied."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None,
@@ -62,7 +63,7 @@ class ParallelLMHead(nn.Module):
         # one-row CUDA logits go to the Triton GEMV, as `Linear`'s do (and the engine lowers this bar the
         # same way, use_gemv_for_all_sizes): cuBLAS would break the decode step's PDL chain right before
         # the step's largest weight (Qwen3.6's 248k x 2048 head is 1 GB of a batch-1 step's ~3.6 GB)
-        self.gemv_min_elements = GEMV_MIN_ELEMENTS
+        self.init_gemv_policy()
         if tied is not None:
             self.weight = tied.weight
         else:

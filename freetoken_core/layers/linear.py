@@ -16,11 +16,7 @@ from torch import nn
 from ..env import kernel_env
 from ..parallel import all_reduce, tp_info
 from .fp8 import Fp8BlockWeight, Fp8Held, dense_weight
-
-
-# One-row CUDA inputs of weights at least this large go to the Triton GEMV (kernels/gemv.py);
-# smaller ones stay on cuBLAS unless the engine lowers the bar (`use_gemv_for_all_sizes`).
-GEMV_MIN_ELEMENTS = 1 << 24
+from .gemv_policy import GemvRouted
 
 
 def cpu_packing_available() -> bool:
@@ -35,9 +31,8 @@ def cpu_packing_available() -> bool:
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A oneDNN-prepacked copy of a [out, in] fp32/bf16 CPU weight, or None where that cannot be done.
 
-    Measured on the 2-core dev box (fp32, SmolLM2 shapes): MKL's GEMV streams weights at ~11 GB/s,
-    the packed oneDNN kernel at ~21 GB/s for 1 row and ~15 GB/s for 8 rows (4x MKL there): decode on
-    CPU reads every weight once per step, so this is the decode speed."""
+    CPU decode reads every weight once per step, and the packed oneDNN kernel streams them about twice as
+    fast as MKL's GEMV (CPU row of benchmarks/RESULTS.md)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not cpu_packing_available():
         return None
     if weight.dtype == torch.bfloat16 and not _mkldnn_bf16():  # oneDNN's bf16 path needs avx512 or avx_ne_convert
@@ -67,7 +62,7 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype | None) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
-class Linear(Fp8Held, nn.Module):
+class Linear(Fp8Held, GemvRouted, nn.Module):
     """y = x W^T (+ b). W is [out, in] like the checkpoint; or, holding block FP8 (layers/fp8.py `Fp8Held`), W in
     float8_e4m3fn with `weight_scale_inv`, multiplied by kernels/fp8_gemm.py `fp8_linear` on any row count.
 
@@ -89,10 +84,10 @@ class Linear(Fp8Held, nn.Module):
         self.weight = _param((out_features, in_features), dtype)
         self.bias = _param((out_features,), dtype) if bias else None
         self.packed: torch.Tensor | None = None  # CPU: oneDNN-prepacked weight (pack_for_cpu)
-        self.gemv_min_elements = GEMV_MIN_ELEMENTS  # see use_gemv_for_all_sizes
-        self.rows_gemm = False  # 2..16 rows on the Triton kernel too (use_gemv_for_all_sizes(rows=True))
+        self.init_gemv_policy()
 
     fp8_names = ("weight",)
+    takes_rows_gemm = True
 
     def fp8_refusal(self, block: tuple[int, int]) -> str | None:
         # the kernels read element (r, c) at scale_inv[r // 128, c // 128]: a fused segment that starts inside a
@@ -234,32 +229,3 @@ class MergedLinear(Linear):
     def shard_rows(self, shard: str | int) -> tuple[int, int]:
         i = int(shard)
         return sum(self.out_sizes[:i]), self.out_sizes[i]
-
-
-def use_gemv_for_all_sizes(model: nn.Module, rows: bool = False) -> int:
-    """Send one-row inputs of every half-precision weight to the Triton GEMV, however small; with
-    `rows`, also inputs of 2..16 rows to its multi-row variant (`triton_gemv.rows_gemm`), for
-    weights under `triton_gemv.ROWS_GEMM_MAX_ELEMENTS` (larger ones are faster on cuBLAS).
-
-    On their own, small GEMVs are no faster than cuBLAS's. But the Triton kernels of a decode step
-    chain through programmatic dependent launch (freetoken_core/kernels/pdl.py), and each cuBLAS call
-    breaks that chain. With every projection in the chain, the real SmolLM2-135M decodes at batch 1
-    in 0.68 ms per step instead of 0.86 ms on the H200 (benchmarks/RESULTS.md).
-
-    Without PDL (before Hopper, or FREETOKEN_PDL=0) small GEMVs measured no faster, so the engine
-    calls this only where PDL is in use. Under speculative decoding it passes `rows=True`: a verify
-    step scores k + 1 rows per request, and with cuBLAS there its PDL chain broke the same way
-    (SmolLM2, k = 8: 0.97 ms per pipelined verify step with cuBLAS; see RESULTS.md for the kernel's
-    number). Returns the number of layers changed."""
-    from .embedding import ParallelLMHead  # embedding imports this module
-
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.gemv_min_elements = 0
-            m.rows_gemm = rows
-            n += 1
-        elif isinstance(m, ParallelLMHead):  # one-row logits only (2..16 rows stay on cuBLAS)
-            m.gemv_min_elements = 0
-            n += 1
-    return n

@@ -6,7 +6,7 @@ On one CUDA row of a large half-precision weight (batch-1 decode) this is one Tr
 (`kernels/norm_gemv.py`) instead of two or three: the GEMV programs read the whole input row
 anyway, so they norm it on the fly. Everywhere else it is exactly the unfused sequence. (A
 multi-row version for speculative verify steps was measured slower than the separate RMSNorm and
-`rows_gemm`: 1.09 vs 0.87 ms per SmolLM2 k = 8 step, benchmarks/RESULTS.md.)
+`rows_gemm`, benchmarks/RESULTS.md.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The expert-slot budget: how many device slots each MoE layer gets, the decode-batch clamp, and the
 check a rebuild must pass before anything is freed.
 
-All three follow `EngineConfig.decode_rows_per_req` (k + 1 with speculation): one decode step of b
+All three follow `EngineConfig.decode_rows()` (k + 1 with speculation): one decode step of b
 requests routes b x rows_per_req x top_k (token, expert) pairs per layer, so a pool of S slots can
 stage any step only while that product is <= S (or S covers every expert).
 """

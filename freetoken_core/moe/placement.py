@@ -59,7 +59,7 @@ def place_experts(model: torch.nn.Module, strategy: str, config: Any, device: to
     if strategy in ("offload", "hybrid"):
         slots = slots_from_budget(shape, config.moe_cache_slots, config.moe_cache_gb, config.moe_cache_rate)
         if strategy == "offload":  # every routed expert of a step must be resident at once
-            max_bs = clamp_batch(slots, config.decode_rows_per_req, shape.top_k, shape.num_experts, max_bs).max_running_req
+            max_bs = clamp_batch(slots, config.decode_rows(), shape.top_k, shape.num_experts, max_bs).max_running_req
     t0 = time.perf_counter()
     banks = []
     for block in blocks:

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..config import EngineConfig, SamplingParams
 from ..core import Batch, Req
@@ -22,10 +22,8 @@ from ..engine.engine import Engine, InflightStep
 from ..messages import DetokenizeMsg, EngineStats
 from .decode import allocate_decode, plan_decode
 from .prefill import plan_prefill
+from .speculative import SpecDecoder
 from .stops import StopChecker
-
-if TYPE_CHECKING:
-    from .speculative import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +80,7 @@ class Scheduler:
         self.generated_tokens_total = 0
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            from .speculative import SpecDecoder
-
-            self.spec = SpecDecoder(self)
+            self.spec = SpecDecoder(self, config, self.engine, self.overlap)
 
     # --- requests in and out ----------------------------------------------------------------
     @property
@@ -135,12 +131,24 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self._finish(req, "abort")
-        self._outbox.append(self._message(req, [], None))
+        self._outbox.append(self.message(req, [], None))
         return True
 
     def close(self) -> None:
-        """Release what outlives the object: the engine's tensor-parallel worker processes."""
+        """Release the engine (its tensor-parallel workers, graphs and pools) and the drafter's graphs;
+        no step runs after it."""
+        self._pending = None
+        self.spec = None
         self.engine.close()
+
+    def has_request(self, uid: int) -> bool:
+        """Whether `uid` is waiting or running (not finished, not aborted)."""
+        return uid in self._by_uid
+
+    @property
+    def has_queued_messages(self) -> bool:
+        """Messages (aborts) queued for the next step() to return."""
+        return bool(self._outbox)
 
     @property
     def in_flight(self) -> bool:
@@ -187,14 +195,14 @@ class Scheduler:
             if req in self.waiting:  # retracted inside the failed step
                 self.waiting.remove(req)
             req.inflight = 0
-            msgs.append(self._fail(req, error))
+            msgs.append(self.fail(req, error))
         self.cache.drop_unreferenced()  # an abort during the failed step may have cached pages it wrote
         return msgs
 
-    def _fail(self, req: Req, error: str) -> DetokenizeMsg:
+    def fail(self, req: Req, error: str) -> DetokenizeMsg:
         """Finish one request with an error (its pages and slots freed); its final message."""
         self._finish(req, "error")
-        msg = self._message(req, [], None)
+        msg = self.message(req, [], None)
         msg.error = error
         return msg
 
@@ -206,29 +214,26 @@ class Scheduler:
         and a rider's input is gathered on the device like a decode row's. Retraction and speculation
         wait for the previous step (they need the committed tokens).
 
-        Why prefill steps no longer wait: served load brings prompts one at a time, and a step that
-        waited for its predecessor left the device idle while the host planned and launched it, once
-        per arriving prompt and once per request whose last token was in flight. On the H200 that was
-        the served 64-stream gap: Llama-3.2-1B shape 28.3k tok/s before, 41.2k with this (one run each,
-        benchmarks/RESULTS.md, twenty-ninth session)."""
+        Prefill steps do not wait either: served prompts arrive one at a time, and a waiting step left the
+        device idle while the host planned it (the served 64-stream row of benchmarks/RESULTS.md)."""
         msgs, self._outbox = self._outbox, []
         self._step_reqs, self._step_msgs = [], msgs
-        decoders = self._decoders()
+        decoders = self.decoders()
         prefill_pending = (bool(self.waiting) and self._row_free()) or self._prefilling(decoders)
         if prefill_pending and not (decoders and self._last_was_prefill):
             if self.spec is not None:
-                self._drain(msgs)  # drafts and verify rows need the committed tokens
+                self.drain(msgs)  # drafts and verify rows need the committed tokens
             ran, mixed = self._run_prefill(msgs)
             # a mixed step decoded too: the next may prefill again (decoders are not starved)
             self._last_was_prefill = ran and not mixed
             if ran:
                 return msgs
-            decoders = self._decoders()
+            decoders = self.decoders()
         self._last_was_prefill = False
         if decoders:
             self._run_decode(decoders, msgs)
         else:
-            self._drain(msgs)
+            self.drain(msgs)
         return msgs
 
     def _prefilling(self, decoders: list[Req]) -> bool:
@@ -243,7 +248,18 @@ class Scheduler:
         prefill is pointless (a row frees when the step in flight commits a request's last token)."""
         return self.cache.num_free_rows > 0  # one row per admitted request, max_running_req rows
 
-    def _decoders(self) -> list[Req]:
+    # --- what a drafter uses (scheduler/spec_host.py) -------------------------------------------
+    @property
+    def plain_step_in_flight(self) -> bool:
+        """A launched plain (non-speculative) step whose tokens are not committed yet."""
+        return self._pending is not None
+
+    def mark_in_flight(self, reqs: list[Req]) -> None:
+        """Fault isolation: these requests are in a step this step() launched (fail_step fails them)."""
+        self._step_reqs.extend(reqs)
+
+    def decoders(self) -> list[Req]:
+        """The running requests whose next row is a decode row: the requests of a decode step."""
         # seq_len + inflight - cached_len == 1 (its next row is a decode row) and it wants more (a request
         # whose in-flight token is its last by length needs no further step); spelled out without Req's
         # properties: this runs every step over every request
@@ -258,7 +274,7 @@ class Scheduler:
         prefilling = [r for r in self.running if r.seq_len - r.cached_len > 1]
         plan, admitted = plan_prefill(
             prefilling, self.waiting, self.running, self.cache, self.config.max_extend_tokens - len(riders),
-            self.config.max_running_req, self.config.decode_rows_per_req,
+            self.engine.resolved.max_running_req, self.engine.resolved.decode_rows_per_req,
         )
         self.running.extend(admitted)
         if not plan.reqs:
@@ -274,7 +290,7 @@ class Scheduler:
         speculation (its verify steps), or when their rows would take the whole prefill budget."""
         if not self.config.mixed_prefill or self.spec is not None:
             return []
-        decoders = self._decoders()
+        decoders = self.decoders()
         if not decoders or len(decoders) >= self.config.max_extend_tokens:
             return []
         batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
@@ -287,24 +303,24 @@ class Scheduler:
         if self.spec is not None:
             if self.spec.run_pipelined(decoders, msgs):
                 return
-            self._drain(msgs)  # drafts need the committed tokens; verify steps run synchronously
-            decoders = self._decoders()
+            self.drain(msgs)  # drafts need the committed tokens; verify steps run synchronously
+            decoders = self.decoders()
             drafts = self.spec.propose(decoders)
             if any(drafts.values()):
                 self.spec.run_verify(decoders, drafts, msgs)
                 return
         batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
         if retracted and self._pending is not None:
-            self._drain(msgs)  # retraction needs settled lengths: plan again
-            decoders = self._decoders()
+            self.drain(msgs)  # retraction needs settled lengths: plan again
+            decoders = self.decoders()
             batch_reqs, retracted = plan_decode(decoders, self.running, self.cache, self._virtual_len)
         for req in retracted:
-            self._retract(req)
+            self.retract(req)
         allocate_decode(batch_reqs, self.cache, self._virtual_len)
         if batch_reqs:
             self._launch(self.engine.prepare_batch("decode", batch_reqs, [1] * len(batch_reqs)), msgs)
         else:
-            self._drain(msgs)
+            self.drain(msgs)
 
     @staticmethod
     def _virtual_len(req: Req) -> int:
@@ -329,7 +345,7 @@ class Scheduler:
                 row += n
             if src:
                 gather = (prev.step.tokens, src, dst)
-        self._step_reqs.extend(batch.reqs)
+        self.mark_in_flight(batch.reqs)
         step = self.engine.launch(batch, banned, gather)
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.cached_len += n
@@ -339,14 +355,15 @@ class Scheduler:
             batch.reqs[i].inflight += 1
         self._pending = _Pending(batch, step, {batch.reqs[i].uid: row for row, i in enumerate(batch.sample_reqs)})
         for row, error in step.failed.items():  # its token is discarded when the step resolves
-            msgs.append(self._fail(batch.reqs[batch.sample_reqs[row]],
+            msgs.append(self.fail(batch.reqs[batch.sample_reqs[row]],
                                    f"this request's sampling settings cannot run: {error}"))
         if prev is not None:
             self._resolve(prev, msgs)
         if not self.overlap:
-            self._drain(msgs)
+            self.drain(msgs)
 
-    def _drain(self, msgs: list[DetokenizeMsg]) -> None:
+    def drain(self, msgs: list[DetokenizeMsg]) -> None:
+        """Commit every step in flight (plain and pipelined speculative) into `msgs`: lengths settle."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._resolve(pending, msgs)
@@ -372,7 +389,7 @@ class Scheduler:
                 req.output_logprobs.extend([out.logprobs[row]][:taken])
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.extend([out.top_logprobs[row]][:taken])
-            msgs.append(self._message(req, [token][:taken], len(req.output_logprobs) - taken))
+            msgs.append(self.message(req, [token][:taken], len(req.output_logprobs) - taken))
 
     # --- committing -------------------------------------------------------------------------
     def _commit_tokens(self, req: Req, tokens: list[int]) -> int:
@@ -420,7 +437,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.remove(req.uid)
 
-    def _retract(self, req: Req) -> None:
+    def retract(self, req: Req) -> None:
         """Out of pages: give a running request's cache back and queue it first for recompute."""
         log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
         self.running.remove(req)
@@ -442,7 +459,8 @@ class Scheduler:
             return -1
         return req.cached_len
 
-    def _message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
+    def message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
+        """The message out for `req` after a commit of `tokens`; its logprobs from entry `lp_start` on."""
         want_lp = req.sampling.logprobs is not None and lp_start is not None
         # positional, in DetokenizeMsg's field order (a message per request per step)
         return DetokenizeMsg(

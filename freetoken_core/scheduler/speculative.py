@@ -4,7 +4,7 @@ A verify step gives every request `rows = k + 1` query rows: its last committed 
 tokens (a request with fewer proposals pads with copies of its last token, which are never
 accepted). Row j's logits are the target's prediction for the token after row j. Acceptance
 (greedy: drafts equal to the argmax; sampling: rejection sampling, distribution-preserving) yields
-the accepted drafts plus one target token. `Scheduler._commit_tokens` takes them in order and stops
+the accepted drafts plus one target token. The scheduler's `_commit_tokens` takes them in order and stops
 at the first that finishes the request; `Req.commit_pending` and `CacheManager.rollback_tail` keep
 exactly the K/V of the committed positions and the pages of the committed tokens.
 
@@ -18,34 +18,33 @@ or leaves, a prefill runs, or a request needs the synchronous path).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import EngineConfig
 from ..core import Req, to_device
+from ..engine.engine import Engine
 from ..engine.sampler import greedy_in_place_of, unsampleable_rows
 from ..messages import DetokenizeMsg
 from ..spec.ngram import NgramProposer
 from ..spec.pipeline import DevicePipeline, PipelineStep
 from ..spec.verify import verify
 from .decode import plan_decode
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from .spec_host import SpecHost
 
 
 class SpecDecoder:
-    def __init__(self, sched: "Scheduler") -> None:
-        cfg = sched.config
-        self.sched = sched
+    def __init__(self, host: SpecHost, cfg: EngineConfig, engine: Engine, overlap: bool) -> None:
+        self.sched = host
+        self.engine, self.cache = engine, engine.cache
         self.k = cfg.num_speculative_tokens
         self.rows = self.k + 1
         self.max_ngram, self.min_ngram = cfg.ngram_max, cfg.ngram_min
         self._proposers: dict[int, NgramProposer] = {}
         self.pipeline: DevicePipeline | None = None
         self._inflight: PipelineStep | None = None
-        if sched.overlap and DevicePipeline.available(sched.engine):
-            self.pipeline = DevicePipeline(sched.engine, self.k, self.min_ngram, self.max_ngram)
+        if overlap and DevicePipeline.available(engine):
+            self.pipeline = DevicePipeline(engine, self.k, self.min_ngram, self.max_ngram)
 
     # --- per-request drafter state ------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -65,7 +64,7 @@ class SpecDecoder:
         """Drafts per request uid (empty when the n-gram lookup finds nothing)."""
         out = {}
         for r in decoders:
-            left = min(r.sampling.max_tokens - r.num_output, self.sched.max_req_len - r.seq_len) - 1
+            left = min(r.sampling.max_tokens - r.num_output, self.engine.max_req_len - r.seq_len) - 1
             prop = self._proposers.get(r.uid)
             out[r.uid] = prop.propose(max(0, min(left, self.k))) if prop is not None else []
         return out
@@ -88,10 +87,10 @@ class SpecDecoder:
             return False
         if pl.members and pl.members != decoders:
             self.drain(msgs)  # a request joined or left: settle every length, then start over
-            decoders = sched._decoders()
-        if sched._pending is not None:
-            sched._drain(msgs)  # a plain step is in flight: its token is an input of ours
-            decoders = sched._decoders()
+            decoders = sched.decoders()
+        if sched.plain_step_in_flight:
+            sched.drain(msgs)  # a plain step is in flight: its token is an input of ours
+            decoders = sched.decoders()
         if not decoders or not pl.can_run(decoders) or not all(self.pipelinable(r) for r in decoders):
             self.drain(msgs)
             return False
@@ -100,7 +99,7 @@ class SpecDecoder:
             return False
         if not pl.members:
             pl.start(decoders)
-        sched._step_reqs.extend(pl.members)  # fault isolation: these are in flight now
+        sched.mark_in_flight(pl.members)  # fault isolation: these are in flight now
         step = pl.launch()
         prev, self._inflight = self._inflight, step
         if prev is not None:
@@ -110,7 +109,7 @@ class SpecDecoder:
     def _allocate(self, decoders: list[Req]) -> bool:
         """Pages for what the next step may write: the step in flight commits up to k + 1 tokens
         the host has not seen, and the new step writes k + 1 rows after them."""
-        cache = self.sched.cache
+        cache = self.cache
         ahead = 2 * self.k + 1 if self._inflight is not None else self.k
         need = {r.uid: min(r.seq_len + ahead, cache.max_seq_len) for r in decoders}
         if sum(cache.pages_needed(r, need[r.uid]) for r in decoders) > cache.num_free_pages:
@@ -135,7 +134,7 @@ class SpecDecoder:
             if not req.finished:
                 req.cached_len = req.seq_len - 1
                 self.on_commit(req, tokens[:taken])
-            msgs.append(sched._message(req, tokens[:taken], None))
+            msgs.append(sched.message(req, tokens[:taken], None))
 
     def drain(self, msgs: list[DetokenizeMsg]) -> None:
         """Commit the step in flight and stop the pipeline: every member's pages go back to its
@@ -148,7 +147,7 @@ class SpecDecoder:
             self._commit_step(step, msgs)
         for req in pl.members:
             if not req.finished:
-                self.sched.cache.rollback_tail(req, req.seq_len)
+                self.cache.rollback_tail(req, req.seq_len)
         pl.stop()
 
     def abandon(self) -> list[Req]:
@@ -163,12 +162,12 @@ class SpecDecoder:
 
     # --- the verify step ----------------------------------------------------------------------
     def run_verify(self, decoders: list[Req], drafts: dict[int, list[int]], msgs: list[DetokenizeMsg]) -> None:
-        sched, cache, engine = self.sched, self.sched.cache, self.sched.engine
+        sched, cache, engine = self.sched, self.cache, self.engine
         k, rows = self.k, self.rows
         widened = lambda r: r.seq_len + k  # noqa: E731  positions L-1 .. L+k-1 are written
         batch_reqs, retracted = plan_decode(decoders, sched.running, cache, widened)
         for req in retracted:
-            sched._retract(req)
+            sched.retract(req)
         if not batch_reqs:
             return
         for r in batch_reqs:
@@ -177,7 +176,7 @@ class SpecDecoder:
             r.widen_pending(k, d + [r.output_ids[-1] if r.output_ids else r.input_ids[-1]] * (k - len(d)))
         num_drafts = [len(drafts.get(r.uid, [])) for r in batch_reqs]
         batch = engine.prepare_batch("verify", batch_reqs, [rows] * len(batch_reqs), rows_per_req=rows)
-        sched._step_reqs.extend(batch_reqs)  # fault isolation: these are in flight now
+        sched.mark_in_flight(batch_reqs)  # fault isolation: these are in flight now
         logits = engine.forward_verify(batch).view(len(batch_reqs), rows, -1)
         self._ban_early_stops(logits, batch_reqs)
         committed = self._accept(logits, batch_reqs, num_drafts, msgs)
@@ -194,13 +193,13 @@ class SpecDecoder:
             taken = sched._commit_tokens(req, tokens)
             if req.finished:
                 kept.append(0)
-                msgs.append(sched._message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
+                msgs.append(sched.message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
                 continue
             req.commit_pending(taken)
             kept.append(taken)
             cache.rollback_tail(req, req.seq_len)
             self.on_commit(req, tokens[:taken])
-            msgs.append(sched._message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
+            msgs.append(sched.message(req, tokens[:taken], self._extend_lp(req, lp[i], taken)))
         engine.commit_verify(kept)
 
     def _ban_early_stops(self, logits: torch.Tensor, reqs: list[Req]) -> None:
@@ -225,15 +224,15 @@ class SpecDecoder:
         params = [r.sampling for r in reqs]
         generators = [r.generator for r in reqs]
         try:
-            return verify(logits, draft_ids, num_drafts, params, generators, self.sched.engine.sampler.generator)
+            return verify(logits, draft_ids, num_drafts, params, generators, self.engine.sampler.generator)
         except Exception:  # noqa: BLE001  find the requests at fault
             failed = unsampleable_rows(params, logits.shape[-1], logits.device)
             if not failed:
                 raise
         for i, error in failed.items():
-            msgs.append(self.sched._fail(reqs[i], f"this request's sampling settings cannot run: {error}"))
+            msgs.append(self.sched.fail(reqs[i], f"this request's sampling settings cannot run: {error}"))
         return verify(logits, draft_ids, num_drafts, greedy_in_place_of(params, failed), generators,
-                      self.sched.engine.sampler.generator)
+                      self.engine.sampler.generator)
 
     def _logprobs(self, logits: torch.Tensor, reqs: list[Req], committed: list[list[int]]) -> list[list[tuple]]:
         """Per request: (logprob, top dict) of each committed token, from its verify row."""

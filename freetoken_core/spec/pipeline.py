@@ -58,7 +58,7 @@ class DevicePipeline:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.device = engine.device
         cache = engine.cache
-        self.max_bs = engine.config.max_running_req
+        self.max_bs = engine.resolved.max_running_req
         dev = self.device
         self.hist = torch.zeros((cache.page_table.shape[0], engine.max_seq_len), dtype=torch.int32, device=dev)
         # per slot (request of the current member list; padding slots are idle)
@@ -185,7 +185,7 @@ class DevicePipeline:
 
     def _capture(self) -> None:
         eng = self.engine
-        max_bs = min(eng.config.cuda_graph_max_bs or self.max_bs, self.max_bs)
+        max_bs = eng.resolved.cuda_graph_max_bs
         self.runner = GraphRunner(
             eng.ctx, self._graph_forward, default_bs_list(max_bs), eng.cache.dummy_row, eng.max_seq_len,
             eng.device, rows_per_req=self.rows_per_req, out_dtype=torch.int64, phase="verify",

@@ -20,7 +20,7 @@ def step_logits(llm: LLM, rows: int, graph: bool = False) -> torch.Tensor:
         sched.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
     while sched.waiting or any(r.seq_len - r.cached_len > 1 for r in sched.running):
         sched.step()
-    sched._drain([])
+    sched.drain([])
     reqs = list(sched.running)
     for r in reqs:
         if rows > 1:

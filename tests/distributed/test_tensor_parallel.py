@@ -52,6 +52,18 @@ def test_tp2_greedy_matches_transformers(checkpoints, name, speculative):
         llm.scheduler.engine.close()
 
 
+def test_a_closed_tp_llm_lets_another_start_in_this_process(checkpoints):
+    path, expected = checkpoints["llama"]
+    for _ in range(2):  # the second needs the first's process group gone
+        with tp_llm(path) as llm:
+            workers = llm.scheduler.engine.tp.procs
+            assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+            with pytest.raises(RuntimeError, match="still open in this process: close it first"):
+                tp_llm(path)
+        assert not torch.distributed.is_initialized()
+        assert not any(p.is_alive() for p in workers)
+
+
 def test_heads_that_do_not_split_are_refused(tmp_path):
     from tests.conftest import make_tiny_model
 

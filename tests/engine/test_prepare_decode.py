@@ -22,7 +22,7 @@ def test_decode_batch_equals_the_general_path(tiny_model_factory):
     assert any(r.inflight for r in reqs) and all(r.num_output for r in reqs)
     for with_inflight in (True, False):
         if not with_inflight:
-            sched._drain([])  # every token committed: the fast path reads them from output_ids
+            sched.drain([])  # every token committed: the fast path reads them from output_ids
             assert not any(r.inflight for r in reqs)
         engine = sched.engine
         allocate_decode(reqs, sched.cache, lambda r: r.seq_len + r.inflight)  # the pages of this step's rows

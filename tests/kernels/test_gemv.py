@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from freetoken_core.kernels import gemv as triton_gemv
-from freetoken_core.layers.linear import GEMV_MIN_ELEMENTS, Linear, use_gemv_for_all_sizes
+from freetoken_core.layers.gemv_policy import GEMV_MIN_ELEMENTS, use_gemv_for_all_sizes
+from freetoken_core.layers.linear import Linear
 from freetoken_core.kernels.gemv import gemv, gemv_reference, rows_gemm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

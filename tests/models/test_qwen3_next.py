@@ -22,7 +22,7 @@ def hybrid(request, tmp_path_factory):
 def _all_free(llm: LLM) -> None:
     cache = llm.scheduler.cache
     assert cache.num_free_pages == cache.num_total_pages
-    assert cache.num_free_rows == llm.scheduler.engine.config.max_running_req  # every state slot back
+    assert cache.num_free_rows == llm.scheduler.engine.resolved.max_running_req  # every state slot back
 
 
 def test_greedy_alone_matches_transformers(hybrid):

@@ -56,7 +56,7 @@ def test_device_cache_gives_the_resident_tokens(moe_model, budget, speculative):
     assert stats["slot_hit_rate"] < 1.0 and min(stats["misses_per_layer"]) > 5  # misses and evictions
     assert stats["bytes_copied_per_token"] > 0
     slots = engine.moe_executors[0].num_slots
-    assert engine.config.max_running_req == min(3, slots // (engine.config.decode_rows_per_req * 2))
+    assert engine.resolved.max_running_req == min(3, slots // (engine.resolved.decode_rows_per_req * 2))
 
 
 def test_device_cache_with_a_gdn_hybrid(tmp_path):

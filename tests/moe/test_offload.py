@@ -47,7 +47,8 @@ def test_placed_experts_give_the_resident_tokens(moe_model, strategy, budget, sp
         assert stats["slot_hit_rate"] < 1.0 and min(stats["misses_per_layer"]) > 5  # misses and evictions
         assert stats["bytes_copied_per_token"] > 0
         # the clamp: 5 slots hold one step of 2 requests (x 1 row x top-2), or 1 with k = 1 (2 rows)
-        assert llm.scheduler.engine.config.max_running_req == (1 if speculative else 2)
+        assert llm.scheduler.engine.resolved.max_running_req == (1 if speculative else 2)
+        assert llm.config.max_running_req == 3  # the caller's config keeps what it asked for
     if strategy == "hybrid":
         assert 0.0 < stats["slot_hit_rate"] < 1.0
 
@@ -59,7 +60,7 @@ def test_gdn_hybrid_with_offloaded_experts(tmp_path):
         got, llm = run(path, speculative, moe_strategy="offload", moe_cache_slots=5)
         assert got == want
         assert llm.scheduler.stats().extra["moe"]["slot_hit_rate"] < 1.0
-        assert llm.scheduler.cache.num_free_rows == llm.scheduler.engine.config.max_running_req
+        assert llm.scheduler.cache.num_free_rows == llm.scheduler.engine.resolved.max_running_req
 
 
 def test_a_budget_below_one_step_is_a_clear_error(moe_model):

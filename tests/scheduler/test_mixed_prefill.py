@@ -41,8 +41,8 @@ def _record_batches(llm: LLM) -> list[tuple[str, list[int]]]:
 def _record_retractions(sched) -> list[int]:
     """The uid of every request the scheduler retracts, in order."""
     retracted: list[int] = []
-    retract = sched._retract
-    sched._retract = lambda req: retracted.append(req.uid) or retract(req)
+    retract = sched.retract
+    sched.retract = lambda req: retracted.append(req.uid) or retract(req)
     return retracted
 
 

@@ -19,8 +19,8 @@ splits and its merge reads only the partials it wrote; a request of one block wr
 directly and its merge program exits at once.
 
 Merging the splits: by default kernel 2 merges them (a second launch). With `fused_merge`
-(FREETOKEN_DECODE_FUSED_MERGE=1; off: within the noise of the merge launch on the H200, once slower and
-once faster at batch 1, benchmarks/RESULTS.md eleventh and thirteenth sessions) kernel 1 merges them, by
+(FREETOKEN_DECODE_FUSED_MERGE=1; off: measured within the noise of the merge launch, benchmarks/RESULTS.md)
+kernel 1 merges them, by
 the split that finishes last: each split, after storing its partial, takes a ticket from a
 per-(request, KV head) counter (a CTA barrier, then one acq_rel atomic: CUTLASS's split-K semaphore
 pattern); the split that draws active - 1 reads the active partials back from L2 (.cg), writes the

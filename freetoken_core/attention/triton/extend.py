@@ -11,10 +11,9 @@ the blocks of keys that overlap its own rows pay for the causal mask.
 A request of one row (a decoder riding in a mixed step, `mixed_prefill`, or a one-token chunk) is
 attended as the decode kernel does it: the program of the first query head of each KV head takes
 the GROUP query heads that share it as its block's rows (the others exit), so the request's keys
-are read once per KV head instead of once per query head. Why: a mixed step of 64 decoders and one
-128-token prompt spent 0.95 ms in this kernel on the Llama-3.2-1B shape (16 layers, 4 query heads a
-KV head), where a decode step of the same 64 spent 0.24 ms in the decode kernel (benchmarks/RESULTS.md,
-twenty-ninth session; `benchmarks/bench_mixed_attention.py` times the two paths).
+are read once per KV head instead of once per query head. Why: one-row requests through the prefill
+path made a mixed step's attention several times a decode step's (the mixed-attention row of
+benchmarks/RESULTS.md).
 
 Reference: `reference.paged_attention_reference`.
 """
@@ -141,8 +140,7 @@ def extend_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=k_cache.shape[1],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         GROUP_ROWS=group_rows and 1 < num_heads // num_kv_heads <= block_m,
-        # Measured on an H200 (8192-token causal prompt, 32 heads of 128, bf16): 64x64 tiles with
-        # 4 warps and 3 stages ran 345 TFLOP/s, 8 warps with 2 stages 152.
+        # 64x64 tiles with 4 warps and 3 stages ran more than twice as fast as 8 warps with 2 (long causal prompt, H200)
         num_warps=num_warps or 4, num_stages=num_stages or (3 if on_gpu and block_d <= 128 else 2),
     )
     return out
