@@ -427,11 +427,10 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-        # what it computed stays cached for later requests, but not after an error (its K/V is suspect)
-        if reason == "error":
+        if reason == "error":  # its K/V is suspect: not cached
             self.cache.free(req)
         else:
-            self.cache.free(req, self._written_len(req), self._state_at(req))
+            self._release(req)
         self._by_uid.pop(req.uid, None)
         self._stop_checkers.pop(req.uid, None)
         if self.spec is not None:
@@ -441,23 +440,15 @@ class Scheduler:
         """Out of pages: give a running request's cache back and queue it first for recompute."""
         log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
         self.running.remove(req)
-        self.cache.free(req, self._written_len(req), self._state_at(req))  # cached: its re-admission takes it back
+        self._release(req)  # cached: its re-admission takes it back
         req.cached_len = 0
         self.waiting.appendleft(req)
 
-    @staticmethod
-    def _written_len(req: Req) -> int:
-        """Tokens whose K/V a request has written: every launched row (`cached_len`) up to the committed
-        sequence. The last committed token has run only when a step launched before its commit (overlap
-        scheduling) fed it; drafts are never counted (a verify step leaves cached_len at seq_len - 1)."""
-        return min(req.cached_len, req.seq_len)
-
-    def _state_at(self, req: Req) -> int:
-        """The position a hybrid model's linear states are at once the launched steps ran (every launched row
-        advanced them), or -1 when unknown: a pipelined speculative step may hold accepted rows not seen yet."""
-        if req.cached_len > req.seq_len or (self.spec is not None and self.spec.busy):
-            return -1
-        return req.cached_len
+    def _release(self, req: Req) -> None:
+        """Pages and row back, what it wrote cached; its linear states (hybrids) are at cached_len unless a
+        pipelined speculative step may hold accepted rows not seen yet."""
+        unknown = req.cached_len > req.seq_len or (self.spec is not None and self.spec.busy)
+        self.cache.free(req, req.written_len, -1 if unknown else req.cached_len)
 
     def message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
         """The message out for `req` after a commit of `tokens`; its logprobs from entry `lp_start` on."""
