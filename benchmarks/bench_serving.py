@@ -279,7 +279,7 @@ def bench_triton(model_path: str, prompts: list[str], out_tokens: int, concurren
     import tritonclient.grpc as grpcclient
     from pa_summary import ensemble_inputs
 
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
 
     overrides = {"model_path": model_path, "max_running_req": str(concurrency),
                  **{k: str(v) for k, v in engine_kw.items()}}

@@ -186,10 +186,10 @@ for c in $sse_conc; do
 done
 python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8002/metrics").read().decode())' \
   | grep -E "^nv_inference_(exec|request_success)_count.*detokenizer|^freetoken_(generation_tokens|request_finished)" | head -12 || true
-# the freetoken model's sender (serving/sender.py) logs its rate, send() cost and the detokenizer ack round
+# the freetoken model's sender (serving/stream/sender.py) logs its rate, send() cost and the detokenizer ack round
 # trip every 10 s: which part of the served path set the pace in each run above
 grep -o "sender: [0-9].*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
-# the engine process's own pace a step while it stepped back to back (serving/engine_server.py StepPace)
+# the engine process's own pace a step while it stepped back to back (serving/engine_proc/engine_server.py StepPace)
 grep -o "engine process: [0-9]* steps back to back.*" "$work/serve.log" | tail -${SENDER_LINES:-12} || true
 echo
 python3 "$repo/benchmarks/pa_summary.py" table "$work" "$out_tokens" $conc

@@ -27,7 +27,7 @@ export TOKENIZER_DIR=${TOKENIZER_DIR:-$repo/.gpu-model/smollm2}
 export PA_MS=${PA_MS:-3000} PA_TRIALS=${PA_TRIALS:-10} TARGETS=${TARGETS:-ensemble} SSE_CONCURRENCY=${SSE_CONCURRENCY-} STREAM1=${STREAM1-}
 export CONCURRENCY=${CONCURRENCY:-"1 16 64"}
 in_pin=${IN_CPUS:-}
-[ "$in_pin" != auto ] || in_pin=$(python3 -c "from freetoken_core.serving.cpu_affinity import resolve_engine_cpus, format_cpu_list as f; print(f(resolve_engine_cpus('auto')))")
+[ "$in_pin" != auto ] || in_pin=$(python3 -c "from freetoken_core.serving.engine_proc.cpu_affinity import resolve_engine_cpus, format_cpu_list as f; print(f(resolve_engine_cpus('auto')))")
 echo "in-process CPUs: ${in_pin:-any}"
 in_window_s=${IN_WINDOW_S:-$(python3 -c "print($PA_MS / 1000)")}
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true

@@ -19,7 +19,7 @@ whether issue 13's targets hold: >= 0.95 at 1, 16 and 64 streams, >= 8k response
 response at 16.
 
 `senders` reads DIR/sender-TARGET-C.txt (gpu_perf_analyzer.sh: the `freetoken` stubs' sender report lines,
-serving/sender.py, logged while that run went on; each stub logs one every 10 s) and prints, per run, the medians
+serving/stream/sender.py, logged while that run went on; each stub logs one every 10 s) and prints, per run, the medians
 over those reports of the detokenizer ack round trip (its p50 and p99: how long a response waits in the queue in
 front of the detokenizers) and of the engine's time to a stream's first token, and the windows a stream had: the
 queue the flow control allows, beside what perf_analyzer saw. A report may span the run before it (10 s intervals).

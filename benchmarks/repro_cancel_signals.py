@@ -310,7 +310,7 @@ class ReproServer:
     """A tritonserver on the repro repository, events logged to one file."""
 
     def __init__(self, workdir: Path) -> None:
-        from freetoken_core.serving.launcher import spawn_tritonserver, wait_ready
+        from freetoken_core.serving.launch.server import spawn_tritonserver, wait_ready
 
         self.log_path = workdir / "events.jsonl"
         repo = write_repository(workdir / "repo")

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
                         "(benchmarks/pa_summary.py trace), to set beside the real ensemble's (gpu_perf_analyzer.sh TRACE)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from freetoken_core.serving.launcher import spawn_tritonserver, wait_ready
+    from freetoken_core.serving.launch.server import spawn_tritonserver, wait_ready
 
     client = args.client if args.client != "auto" else ("perf_analyzer" if shutil.which("perf_analyzer") else "python")
     work = Path(tempfile.mkdtemp(prefix="served-floor-"))

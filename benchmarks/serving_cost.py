@@ -6,7 +6,7 @@
     python benchmarks/serving_cost.py --formats slim slimtext --profile   # 6 detokenizer outputs against 3
 
 A bench repository (written to a temp dir) holds `sendcost`, a decoupled Python model that sends N
-engine responses built by freetoken_core.serving.response exactly as the engine's sender thread
+engine responses built by freetoken_core.serving.triton.response exactly as the engine's sender thread
 does, timing each phase inside the stub; `sendcost_ens`, an ensemble sendcost -> the real
 `detokenizer` (wrapped to time its execute); and `detok_batched` cases when the detokenizer config has
 a dynamic batcher. Phases per response:
@@ -43,7 +43,7 @@ import json, os, threading, time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving import response as R
+from freetoken_core.serving.triton import response as R
 
 OUT = os.environ.get("FREETOKEN_COST_OUT", "/tmp")
 
@@ -185,7 +185,7 @@ def batched_detokenizer(config: str, max_batch: int) -> str:
 
 
 def write_repo(dest: Path, model_path: str, detok_batch: int = 0, detok_instances: int = 1) -> None:
-    from freetoken_core.serving.launcher import set_instance_count, set_parameter, source_repository
+    from freetoken_core.serving.launch.repository import set_instance_count, set_parameter, source_repository
 
     src = source_repository()
     outs = src.joinpath("freetoken", "config.pbtxt").read_text()
@@ -278,7 +278,7 @@ def read_json(path: Path, timeout: float = 10.0) -> dict:
 
 def detok_inprocess(model_path: str, n: int) -> dict[str, float]:
     """The detokenizer's own work per response, without Triton (text_models.detokenize_response)."""
-    from freetoken_core.serving.text_models import detokenize_response
+    from freetoken_core.serving.triton.text_models import detokenize_response
     from freetoken_core.tokenizer.tokenize import load_tokenizer
 
     tok = load_tokenizer(model_path)
@@ -306,7 +306,7 @@ def main() -> int:
     args = p.parse_args()
 
     from freetoken_core.models.gguf import default_model_path
-    from freetoken_core.serving.launcher import spawn_tritonserver, wait_ready
+    from freetoken_core.serving.launch.server import spawn_tritonserver, wait_ready
 
     model_path = args.model_path or default_model_path()
     work = Path(tempfile.mkdtemp(prefix="freetoken-cost-"))

@@ -304,7 +304,7 @@ def main() -> int:
     else:
         import tempfile
 
-        from freetoken_core.serving.launcher import start_server
+        from freetoken_core.serving.launch.server import start_server
 
         overrides = {"dtype": args.dtype, "device": args.device, "max_running_req": str(max(16, args.concurrency)),
                      "max_nonstream_tokens": "0"}

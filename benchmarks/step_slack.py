@@ -8,7 +8,7 @@ runs on the device, so only what the host cannot hide behind it lengthens a step
 
 One request at a time on perf_analyzer's prompts (benchmarks/pa_summary.py PROMPTS), 128 tokens each, stepping the
 Scheduler directly; after every step the host spends `extra` more: a busy loop of that many microseconds, or
-`pipe`: the engine process's own send of the step's messages (serving/engine_server.py encode + pickle +
+`pipe`: the engine process's own send of the step's messages (serving/engine_proc/engine_server.py encode + pickle +
 `Connection.send`) to a reader process blocked in `recv()`, as the served path has it. Prints the median ms a
 decode step (from the second token to the last), the median time a step waits for the device
 (`HostCopy.wait`), and the median host time outside that wait.
@@ -86,7 +86,7 @@ def main() -> int:
     from bench_serving import shape_model_dir
     from pa_summary import PROMPTS
 
-    from freetoken_core.serving.engine_server import encode
+    from freetoken_core.serving.engine_proc.protocol import encode
     from freetoken_core.tokenizer.tokenize import load_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,7 +115,7 @@ def main() -> int:
 
     def pipe_send(msgs) -> None:
         if msgs:
-            send_end.send(("msgs", [encode(m) for m in msgs]))
+            send_end.send([encode(m) for m in msgs])  # a StepBatch (protocol.py)
 
     cases = [(f"busy {x:g} us", lambda msgs, us=x: _spin(us)) for x in args.extra_us]
     cases.append(("pipe (the engine process's send)", pipe_send))

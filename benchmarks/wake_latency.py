@@ -125,9 +125,9 @@ def _drain(conn, spin: bool) -> None:
 def _step_item() -> tuple:
     """One step's message for one instance, as EngineServer sends it."""
     from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.engine_server import encode
+    from freetoken_core.serving.engine_proc.protocol import encode
 
-    return ("msgs", [encode(DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7))])
+    return [encode(DetokenizeMsg(5, [1234], num_prompt_tokens=128, num_output_tokens=7))]  # a StepBatch (protocol.py)
 
 
 def _start_drains(count: int, spin: bool) -> tuple[list, list]:

@@ -46,14 +46,14 @@ def _add_model_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serving.launcher import serve_main
+    from .serving.launch.serve import serve_main
 
     return serve_main(args)
 
 
 def _add_serving_commands(sub: argparse._SubParsersAction) -> None:
     """`serve` and `bench` go here (each adds its parser and sets `func`)."""
-    from .serving.launcher import add_serve_args
+    from .serving.launch.serve import add_serve_args
 
     p = sub.add_parser("serve", help="start tritonserver on the model repository (default model: SmolLM2)",
                        description="Render a runtime copy of model_repository/ (freetoken parameters from "

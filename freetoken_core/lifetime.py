@@ -6,7 +6,7 @@ tensor-parallel ranks. Each process below the launcher watches its parent: once 
 `exit()` is not enough: Python joins non-daemonic threads and multiprocessing children at exit, and
 a stub whose engine process still waits for a `stop` command that will never come hangs there forever.
 
-The launcher's own death is handled by its guard (serving/guard.py); this module covers the rest
+The launcher's own death is handled by its guard (serving/launch/guard.py); this module covers the rest
 (and `LLM`'s tensor-parallel ranks, whose parent is the user's process).
 """
 

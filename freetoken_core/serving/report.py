@@ -2,7 +2,7 @@
 (the sender thread's, the engine process's step pace).
 
 Kept free of imports that start threads (numpy's BLAS pool): the engine process imports it before it moves onto its
-own CPUs (serving/engine_server.py engine_main), and a thread started before that would stay behind."""
+own CPUs (serving/engine_proc/engine_server.py engine_main), and a thread started before that would stay behind."""
 
 from __future__ import annotations
 

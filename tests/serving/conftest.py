@@ -29,8 +29,8 @@ SERVER_PARAMS = {
 @pytest.fixture(scope="session")
 def triton_server(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("tritonclient.grpc")
-    from freetoken_core.serving.launcher import start_server
-    from freetoken_core.serving.tritonserver import find_tritonserver
+    from freetoken_core.serving.launch.server import start_server
+    from freetoken_core.serving.launch.tritonserver import find_tritonserver
 
     try:
         find_tritonserver()

@@ -3,9 +3,9 @@ what the stateless detokenizer needs for each (response.build_ensemble_outputs: 
 window, the cancel key only now and then), and the sender thread merging what queues up per request.
 Each stream must still get exactly its own tokens, in order, byte-exact text and one FINAL: with the
 session server (one detokenizer instance on this box) and with two instances, one response in flight
-per stream (the flow control that keeps a stream in order across instances, serving/sender.py), four
+per stream (the flow control that keeps a stream in order across instances, serving/stream/sender.py), four
 send workers (sender_threads=4: several sends in flight at once, each request on one worker) and the step
-messages through shared-memory rings (engine_msg_ring_kib, serving/msg_ring.py: one per instance)."""
+messages through shared-memory rings (engine_msg_ring_kib, serving/engine_proc/msg_ring.py: one per instance)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from freetoken_core.config import SamplingParams
-from freetoken_core.serving.msg_ring import supported as ring_supported
+from freetoken_core.serving.engine_proc.msg_ring import supported as ring_supported
 
 from serving_helpers import metric, scrape_metrics
 from test_triton_server import MIXED, ensemble_inputs
@@ -31,7 +31,7 @@ PROMPTS = ["The capital of France is", MIXED, "def fibonacci(n):", "Once upon a 
 
 
 def _start_scaled(smollm2_path, workdir, env: dict[str, str], params: dict[str, str]):
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
     from tests.serving.conftest import SERVER_PARAMS
 
     old = {k: os.environ.get(k) for k in env}
@@ -55,7 +55,7 @@ def scaled_out(smollm2_path, tmp_path_factory):
                            {"detok_max_inflight": "1", "sender_threads": "4", "engine_msg_ring_kib": "64"})
     for model in ("detokenizer", "freetoken"):
         assert "count: 2" in (workdir / "repo" / model / "config.pbtxt").read_text()
-    from freetoken_core.serving.launcher import get_parameter
+    from freetoken_core.serving.launch.repository import get_parameter
 
     assert get_parameter((workdir / "repo" / "freetoken" / "config.pbtxt").read_text(), "engine_msg_ring_kib") == "64"
     log = (workdir / "tritonserver.log").read_text()
@@ -74,20 +74,19 @@ def scaled_out(smollm2_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ordered_out(smollm2_path, tmp_path_factory):
     """Two detokenizer instances that keep each stream in order themselves (detok_send_order): four
-    responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the waiters on
-    the engine process's pipe spin before they block (idle_spin_us), the engine process runs on a CPU of its own
-    with the rest of the server on the others (engine_cpus, where the host has two or more), the optional
-    outputs go only to clients that ask for them (optional_outputs=asked), two send workers share the
+    responses of a stream may be in flight at once, across both instances. Also the opt-in settings: the engine
+    process runs on a CPU of its own with the rest of the server on the others (engine_cpus, where the host has
+    two or more), two send workers share the
     numbered responses (sender_threads=2: each stream on one worker, beside the order table), and an inflight
     budget (detok_inflight_budget=64: 4 a stream while 16 or more run, up to 64 for the last one)."""
     workdir = tmp_path_factory.mktemp("triton-ordered")
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus = str(cpus[-1]) if len(cpus) > 1 else ""
     handle = _start_scaled(smollm2_path, workdir, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"},
-                           {"detok_send_order": "1", "idle_spin_us": "2000", "engine_cpus": engine_cpus,
-                            "optional_outputs": "asked", "sender_threads": "2", "detok_inflight_budget": "64"})
+                           {"detok_send_order": "1", "engine_cpus": engine_cpus, "sender_threads": "2",
+                            "detok_inflight_budget": "64"})
     assert "count: 2" in (workdir / "repo" / "detokenizer" / "config.pbtxt").read_text()
-    from freetoken_core.serving.launcher import get_parameter
+    from freetoken_core.serving.launch.repository import get_parameter
 
     freetoken_config = (workdir / "repo" / "freetoken" / "config.pbtxt").read_text()
     assert get_parameter(freetoken_config, "detok_send_order") == "1"
@@ -148,8 +147,8 @@ def test_32_streams_each_get_their_own_tokens_in_order(server, request, offline_
         assert r["finals"] == 1 and r["after_final"] == 0, (i, r)
         assert r["tokens"] == ref.token_ids, (i, r["tokens"], ref.token_ids)
         assert r["text"].decode("utf-8") == ref.text, (i, r["text"], ref.text)
-        # optional outputs: all of them unless the server sends only those asked for; logprobs only when asked
-        expected = set() if server == "ordered_out" else {"finish_reason", "num_input_tokens", "num_output_tokens"}
+        # optional outputs: all of them; logprobs only when asked
+        expected = {"finish_reason", "num_input_tokens", "num_output_tokens"}
         assert r["optional"] == expected, (i, r["optional"])
     after = scrape_metrics(triton_server.metrics_url)
     reqs = metric(after, "nv_inference_request_success", model="detokenizer") - \

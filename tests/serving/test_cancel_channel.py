@@ -4,7 +4,7 @@ import os
 import socket
 import stat
 
-from freetoken_core.serving.cancel import KEY_SEP, CancelChannel, CancelCheckLimiter, notify_cancel
+from freetoken_core.serving.stream.cancel import KEY_SEP, CancelChannel, CancelCheckLimiter, notify_cancel
 
 
 def test_cancel_keys_round_trip():

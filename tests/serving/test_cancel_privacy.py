@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from freetoken_core.serving.cancel import KEY_SEP, notify_cancel
-from freetoken_core.serving.response import read_ensemble_meta
+from freetoken_core.serving.stream.cancel import KEY_SEP, notify_cancel
+from freetoken_core.serving.triton.response import read_ensemble_meta
 from serving_helpers import metric, scrape_metrics, wait_for
 from tests.serving.test_triton_server import PROMPT, _input, _post
 
@@ -122,7 +122,7 @@ def test_forged_detokenizer_requests_are_refused_at_once(triton_server):
     """A client that calls the detokenizer with a slim engine response it made up (naming a stream's slot in an
     order table) is refused before the detokenizer waits for that stream's turn or acks anything."""
     from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.response import build_ensemble_outputs
+    from freetoken_core.serving.triton.response import build_ensemble_outputs
 
     msg = DetokenizeMsg(uid=5, next_tokens=[504], finished=False)
     meta = build_ensemble_outputs(msg, [504], None, [], "", "", ack=(12345, 5, 3), order_slot=0,

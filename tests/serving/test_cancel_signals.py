@@ -23,7 +23,7 @@ def repro():
 
 @pytest.fixture(scope="module")
 def repro_server(repro, tmp_path_factory):
-    from freetoken_core.serving.tritonserver import find_tritonserver
+    from freetoken_core.serving.launch.tritonserver import find_tritonserver
 
     try:
         find_tritonserver()

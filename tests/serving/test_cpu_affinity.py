@@ -1,4 +1,4 @@
-"""engine_cpus (serving/cpu_affinity.py): the engine process on CPUs of its own, the rest of the server on the
+"""engine_cpus (serving/engine_proc/cpu_affinity.py): the engine process on CPUs of its own, the rest of the server on the
 others. The engine process's side is tested with a real child in test_engine_process.py."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ import sys
 
 import pytest
 
-from freetoken_core.serving.cpu_affinity import (
+from freetoken_core.serving.engine_proc.cpu_affinity import (
     engine_cpus_of_model, format_cpu_list, keep_off, parse_cpu_list, pin_this_process, resolve_engine_cpus,
 )
-from freetoken_core.serving.launcher import chain_preexec, get_parameter, render_repository
+from freetoken_core.serving.launch.server import chain_preexec
+from freetoken_core.serving.launch.repository import get_parameter, render_repository
 
 HOST16 = frozenset(range(16))
 
@@ -75,10 +76,10 @@ def test_without_an_engine_process_auto_is_off_and_a_list_is_refused():
 
 
 def test_auto_is_the_default():
-    from freetoken_core.serving.launcher import source_repository
-    from freetoken_core.serving.params import SERVING_TEXT_DEFAULTS
+    from freetoken_core.serving.launch.repository import source_repository
+    from freetoken_core.serving.config import ServingConfig
 
-    assert SERVING_TEXT_DEFAULTS["engine_cpus"] == "auto"
+    assert ServingConfig().engine_cpus == "auto"
     assert get_parameter((source_repository() / "freetoken" / "config.pbtxt").read_text(), "engine_cpus") == "auto"
 
 
@@ -119,7 +120,7 @@ def test_serve_writes_the_engines_cpus_into_the_repository(tmp_path):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_start_server_keeps_the_server_off_the_engines_cpus(tmp_path, monkeypatch):
     """start_server hands spawn_tritonserver the CPUs serve wrote for the engine (its Popen runs keep_off)."""
-    from freetoken_core.serving import launcher
+    from freetoken_core.serving.launch import server as launcher
 
     seen = {}
 

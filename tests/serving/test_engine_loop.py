@@ -10,10 +10,10 @@ import time
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.request import ParsedRequest
-from freetoken_core.serving.response import read_ensemble_meta
-from freetoken_core.serving.text_models import detokenize_response
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.triton.request import ParsedRequest
+from freetoken_core.serving.triton.response import read_ensemble_meta
+from freetoken_core.serving.triton.text_models import detokenize_response
 
 
 def tokens_of(out: dict):
@@ -159,12 +159,12 @@ def run_acked_streams(llm, prompts, params, transport: RecordingTransport, optio
 
 class AckingTransport(RecordingTransport):
     """The ensemble's detokenizer as the engine sees it: acks each streamed response `ack_delay_s`
-    after its send (serving/cancel.py AckSender), and records the most responses a request ever had
+    after its send (serving/stream/cancel.py AckSender), and records the most responses a request ever had
     sent but not acked."""
 
     def __init__(self, ack_delay_s: float) -> None:
         super().__init__(0.0)
-        from freetoken_core.serving.cancel import AckSender
+        from freetoken_core.serving.stream.cancel import AckSender
 
         self.ack_delay_s = ack_delay_s
         self.acks = AckSender()

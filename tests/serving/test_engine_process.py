@@ -1,4 +1,4 @@
-"""The served engine in a child process (serving/engine_process.py): the Scheduler's interface over
+"""The served engine in a child process (serving/engine_proc/engine_process.py): the Scheduler's interface over
 pipes must give what the in-process Scheduler gives (tokens, refusals, aborts, stats), and a child
 that dies must end the engine as a device fault does, never hang it. Through tritonserver the child
 is the default, so every tests/serving server test runs it too."""
@@ -14,12 +14,12 @@ import pytest
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.config import EngineConfig
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.engine_process import RING_BYTES, EngineClient, EngineProcessError
-from freetoken_core.serving.engine_server import decode, encode
-from freetoken_core.serving.faults import is_device_fatal
-from freetoken_core.serving.msg_ring import supported as ring_supported
-from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.engine_proc.engine_process import RING_BYTES, EngineClient, EngineProcessError
+from freetoken_core.serving.engine_proc.protocol import Stop, decode, encode
+from freetoken_core.serving.engine_proc.faults import is_device_fatal
+from freetoken_core.serving.engine_proc.msg_ring import supported as ring_supported
+from freetoken_core.serving.triton.request import ParsedRequest
 
 PROMPTS = ["Write one sentence about cats.", "Dis bonjour en français.", "数到五", "def fib(n):"]
 
@@ -29,21 +29,19 @@ def llm(smollm2_path):
     return LLM(smollm2_path, dtype="float32", max_running_req=2)
 
 
-# the pipe client's engine process runs on a CPU of its own (engine_cpus, serving/cpu_affinity.py) where the host
+# the pipe client's engine process runs on a CPU of its own (engine_cpus, serving/engine_proc/cpu_affinity.py) where the host
 # has two or more
 PINNED_CPUS = frozenset({max(os.sched_getaffinity(0))}) if len(os.sched_getaffinity(0)) > 1 else frozenset()
 
 
 @pytest.fixture(scope="module", params=["ring", "pipe"])
 def client(smollm2_path, request):
-    """The step messages through the shared-memory ring (opt-in, serving/msg_ring.py) and over the pipe (with the
-    engine process on a CPU of its own and both sides spinning: opt-in too)."""
+    """The step messages through the shared-memory ring (opt-in, serving/engine_proc/msg_ring.py) and over the pipe (with the
+    engine process on a CPU of its own: opt-in too)."""
     ring_bytes = RING_BYTES if request.param == "ring" else 0
     engine_cpus = PINNED_CPUS if request.param == "pipe" else frozenset()
-    # the pipe client and its engine process also spin for each other's messages before they block (serving/spin.py)
     c = EngineClient(EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2),
-                     ring_bytes=ring_bytes, engine_cpus=engine_cpus,
-                     idle_spin_s=0.002 if request.param == "pipe" else 0.0)
+                     ring_bytes=ring_bytes, engine_cpus=engine_cpus)
     c.asked_cpus = engine_cpus
     assert (c._ring is not None) == (ring_bytes > 0 and ring_supported())
     yield c
@@ -196,15 +194,15 @@ def run_clients(clients, timeout_s: float = 120.0) -> list[dict[int, list[Detoke
 
 
 def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
-    """Several `freetoken` instances, one engine (serving/engine_share.py): the first to arrive starts
+    """Several `freetoken` instances, one engine (serving/engine_proc/engine_share.py): the first to arrive starts
     it, the next joins; each gets exactly its own requests' tokens (as in-process), a member that leaves
     has its requests aborted, and when the owner stops the engine a member's requests end with one error
     each (not a device fault)."""
     import os
     import secrets
 
-    from freetoken_core.serving.engine_server import STOPPED
-    from freetoken_core.serving.engine_share import EngineRendezvous
+    from freetoken_core.serving.engine_proc.engine_server import STOPPED
+    from freetoken_core.serving.engine_proc.engine_share import EngineRendezvous
 
     config = EngineConfig(model_path=smollm2_path, dtype="float32", max_running_req=2)
     name = f"test-{secrets.token_hex(4)}"
@@ -264,42 +262,6 @@ def test_one_engine_process_shared_by_two_instances(smollm2_path, llm):
                 c.close()
 
 
-def test_the_client_spins_only_while_the_whole_engine_is_nearly_idle(client):
-    """idle_spin_s: one request of this instance in a shared engine busy with other instances' requests is no
-    reason to spin (serving/spin.py SPIN_MAX_ACTIVE); the engine's latest snapshot says how busy it is."""
-    import dataclasses
-
-    saved = client._stats
-    try:
-        client._stats = dataclasses.replace(saved, num_running=1, num_waiting=0)
-        assert client.engine_load == 1 and client._few_in_flight()
-        client._stats = dataclasses.replace(saved, num_running=3, num_waiting=2)
-        assert client.engine_load == 5 and not client._few_in_flight()
-    finally:
-        client._stats = saved
-
-
-def test_the_pipe_client_spins_for_a_lone_requests_messages(llm, client, monkeypatch):
-    """idle_spin_s (the pipe client here): a lone request's step messages are looked for before the client blocks;
-    the ring client polls its ring instead and never spins."""
-    from freetoken_core.serving import engine_process
-    from freetoken_core.serving.spin import spin_until
-
-    looks = []
-
-    def counting(ready, spin_s):
-        looks.append(spin_s)
-        return spin_until(ready, spin_s)
-
-    monkeypatch.setattr(engine_process, "spin_until", counting)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    uid = client.add_request(llm.encode("Hi"), params)
-    out = run_all(client)
-    assert [t for m in out[uid] for t in m.next_tokens] == llm.generate(["Hi"], params)[0].token_ids
-    assert bool(looks) == (client.idle_spin_s > 0 and client._ring is None)
-    assert all(0 < s <= client.idle_spin_s for s in looks)
-
-
 class CountingScheduler:
     """Work for `steps` steps, a message for request 0 each, ~1 ms apart; then idle."""
 
@@ -325,7 +287,7 @@ def test_the_engine_process_times_its_back_to_back_steps():
     back-to-back steps, each at least the step's own time; StepPace's line states them."""
     import multiprocessing as mp
 
-    from freetoken_core.serving.engine_server import EngineServer, StepPace
+    from freetoken_core.serving.engine_proc.engine_server import EngineServer, StepPace
 
     cmd_r, cmd_w = mp.Pipe(duplex=False)
     out_r, out_w = mp.Pipe(duplex=False)
@@ -334,9 +296,9 @@ def test_the_engine_process_times_its_back_to_back_steps():
     thread.start()
     got = 0
     while got < 20:  # every step's message reaches the owner
-        kind, payload = out_r.recv()
-        got += len(payload) if kind == "msgs" else 0
-    cmd_w.send(("stop",))
+        event = out_r.recv()
+        got += len(event) if isinstance(event, list) else 0  # a StepBatch
+    cmd_w.send(Stop())
     thread.join(10)
     assert not thread.is_alive()
     assert len(server.pace.intervals) == 19 and min(server.pace.intervals) >= 0.001

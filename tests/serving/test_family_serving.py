@@ -39,7 +39,7 @@ def family_model(request, smollm2_path, tmp_path_factory):
             shutil.copy(f"{smollm2_path}/{name}", path / name)
         except FileNotFoundError:
             pass
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
 
     workdir = tmp_path_factory.mktemp(f"triton-{request.param}")
     params = {**SERVER_PARAMS, "model_path": str(path), **EXTRA_PARAMS.get(request.param, {})}

@@ -1,7 +1,7 @@
 """Fault isolation in the engine loop, in process on CPU (issue 14): an exception inside an engine step
 fails exactly the requests of the step(s) in flight, each with a clear error and one FINAL, frees
 their pages, and the engine serves on; a device fault (a sticky CUDA error, simulated) fails
-everything and ends the engine. The faults come from the test-only hook of serving/faults.py."""
+everything and ends the engine. The faults come from the test-only hook of serving/engine_proc/faults.py."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import time
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.faults import (
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.engine_proc.faults import (
     DeviceFatalError, FaultSpec, InjectedFault, install_fault_hook, is_device_fatal, parse_fault_specs,
 )
-from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.triton.request import ParsedRequest
 
 VICTIM_SEED = 666
 

@@ -25,7 +25,7 @@ B_TEXT = "Write one sentence about cats."
 
 @pytest.fixture(scope="module")
 def fault_server(smollm2_path, tmp_path_factory):
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
 
     workdir = tmp_path_factory.mktemp("triton-fault")
     # mixed_prefill off: the step test below needs the decoding request outside the faulty prefill step
@@ -113,7 +113,7 @@ def test_device_fault_fails_everything_and_the_model_goes_not_ready(fault_server
 
 
 def test_fault_in_initialize_fails_the_start_with_its_cause(smollm2_path, tmp_path):
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
 
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="tritonserver exited") as err:

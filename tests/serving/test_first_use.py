@@ -62,7 +62,7 @@ def commands_of(sample: str) -> list[str]:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this host")
 @pytest.mark.parametrize("where", ["checkout", "elsewhere"])
 def test_printed_sample_commands_run_without_the_venv(triton_server, where, tmp_path, monkeypatch):
-    from freetoken_core.serving.launcher import sample_commands
+    from freetoken_core.serving.launch.serve import sample_commands
 
     cwd = REPO if where == "checkout" else tmp_path
     monkeypatch.chdir(cwd)  # serve prints paths relative to where it was started, absolute outside the checkout
@@ -134,8 +134,8 @@ def test_load_test_scripts_say_what_to_install(script):
 def test_cpu_host_server_args_quiet_the_pinned_memory_warning(tmp_path):
     """On a host without a CUDA driver the flag turns tritonserver's pinned-memory warning into an info line; the
     two CUDA error lines no flag removes are what CPU_HOST_NOTE explains (it quotes them)."""
-    from freetoken_core.serving.launcher import free_ports
-    from freetoken_core.serving.tritonserver import (CPU_HOST_NOTE, cpu_host_server_args, cuda_driver_present,
+    from freetoken_core.serving.launch.server import free_ports
+    from freetoken_core.serving.launch.tritonserver import (CPU_HOST_NOTE, cpu_host_server_args, cuda_driver_present,
                                                      find_tritonserver, server_env)
 
     if cuda_driver_present():

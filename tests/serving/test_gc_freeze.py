@@ -1,4 +1,4 @@
-"""gc_freeze (serving/gc_freeze.py): each served process moves its start-up heap out of the cyclic garbage
+"""gc_freeze (serving/engine_proc/gc_freeze.py): each served process moves its start-up heap out of the cyclic garbage
 collector's way once start-up ends, so a full collection on the served path no longer walks it."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_core.serving.gc_freeze import freeze_startup_heap, freeze_text_model, gc_freeze_wanted
-from freetoken_core.serving.launcher import get_parameter, render_repository
+from freetoken_core.serving.config import serving_config
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap, freeze_text_model
+from freetoken_core.serving.launch.repository import get_parameter, render_repository
 
 
 @pytest.fixture
@@ -52,7 +53,10 @@ def test_text_models_freeze_unless_their_config_says_0(unfrozen):
 
 
 def test_gc_freeze_parameter_values():
-    assert [gc_freeze_wanted(v) for v in (None, "", "1", 1.0, "on", "0", 0.0, "off")] == [True] * 5 + [False] * 3
+    def gc_freeze_wanted(value: str | None) -> bool:
+        return serving_config({} if value is None else {"gc_freeze": value}).gc_freeze
+
+    assert [gc_freeze_wanted(v) for v in (None, "", "1", "1.0", "on", "0", "0.0", "off")] == [True] * 5 + [False] * 3
     with pytest.raises(ValueError, match="gc_freeze"):
         gc_freeze_wanted("2")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from freetoken_core.serving.heap_trim import HeapTrimmer
+from freetoken_core.serving.engine_proc.heap_trim import HeapTrimmer
 
 
 def test_trims_on_its_intervals():

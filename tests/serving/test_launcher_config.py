@@ -4,12 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from freetoken_core.serving.launcher import (
-    free_ports, get_parameter, render_repository, set_parameter, source_repository,
-)
-from freetoken_core.serving.params import (
-    engine_config_from_params, parse_model_config_params, serving_options, stream_interval,
-)
+from freetoken_core.serving.launch.server import free_ports
+from freetoken_core.serving.launch.repository import get_parameter, render_repository, set_parameter, source_repository
+from freetoken_core.serving.config import ServingConfig, serving_config
+from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params
 
 
 def test_set_parameter_replaces_and_appends():
@@ -51,11 +49,11 @@ def test_params_to_engine_config():
         engine_config_from_params({"model_path": "/m", "max_running_req": "many"})
     with pytest.raises(ValueError, match="max_running_req must be >= 1"):
         engine_config_from_params({"model_path": "/m", "max_running_req": "0"})
-    assert serving_options({})["cancel_check_interval_ms"] == 200.0
-    assert stream_interval(serving_options({})) == 1 and stream_interval(serving_options({"stream_interval": "4"})) == 4
+    assert serving_config({}).cancel_check_interval_ms == 200.0
+    assert serving_config({}).stream_interval == 1 and serving_config({"stream_interval": "4"}).stream_interval == 4
     for bad in ("0", "2.5"):
         with pytest.raises(ValueError, match="stream_interval"):
-            stream_interval(serving_options({"stream_interval": bad}))
+            serving_config({"stream_interval": bad})
 
 
 def test_free_ports_distinct():
@@ -64,7 +62,7 @@ def test_free_ports_distinct():
 
 
 def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path: Path):
-    from freetoken_core.serving.freetoken_model import check_detokenizer_decoupled
+    from freetoken_core.serving.triton.freetoken_model import check_detokenizer_decoupled
 
     plain = render_repository(tmp_path / "plain", {"model_path": "/m"}, {})
     # decoupled always now (issue 13: it acks a response after its send); a plain one is refused with probes
@@ -77,16 +75,16 @@ def test_probes_render_a_decoupled_detokenizer_and_the_engine_checks_it(tmp_path
     cfg = (probed / "detokenizer" / "config.pbtxt").read_text()
     assert "model_transaction_policy { decoupled: true }" in cfg
     check_detokenizer_decoupled(str(probed / "freetoken"))  # no error
-    assert serving_options({})["max_nonstream_tokens"] == 4096 and serving_options({})["nonstream_cancel_probe_ms"] == 0
+    assert serving_config({}).max_nonstream_tokens == 4096 and serving_config({}).nonstream_cancel_probe_ms == 0
 
 
 def test_send_order_is_on_by_default_and_off_with_a_plain_detokenizer(tmp_path: Path):
     """detok_send_order (on by default since the twenty-fifth session) needs the decoupled detokenizer, which
     marks a response sent only after its send(): with a plain one the engine keeps one response of a stream in
     flight instead of refusing to start."""
-    from freetoken_core.serving.freetoken_model import max_inflight, send_order_enabled
+    from freetoken_core.serving.triton.freetoken_model import max_inflight, send_order_enabled
 
-    assert serving_options({})["detok_send_order"] == 1
+    assert serving_config({}).detok_send_order == 1
     repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "2"})
     model_dir = str(repo / "freetoken")
     assert get_parameter((repo / "freetoken" / "config.pbtxt").read_text(), "detok_send_order") == "1"
@@ -122,8 +120,8 @@ def test_fla_core_is_in_the_gpu_extra_and_the_image_but_never_in_the_test_venv()
 
 
 def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
-    from freetoken_core.serving.freetoken_model import max_inflight
-    from freetoken_core.serving.launcher import default_detokenizer_instances
+    from freetoken_core.serving.triton.freetoken_model import max_inflight
+    from freetoken_core.serving.launch.repository import default_detokenizer_instances
 
     assert [default_detokenizer_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 2, 3, 16, 16]
     one = render_repository(tmp_path / "one", {"model_path": "/m"}, {"FREETOKEN_DETOKENIZER_INSTANCES": "1"})
@@ -136,63 +134,45 @@ def test_detokenizer_instances_default_and_flow_control_window(tmp_path: Path):
 
 
 def test_default_freetoken_instances_eight_on_big_hosts_one_without_an_engine_process():
-    from freetoken_core.serving.launcher import default_freetoken_instances
+    from freetoken_core.serving.launch.repository import default_freetoken_instances
 
     assert [default_freetoken_instances(n) for n in (1, 2, 8, 15, 16, 64)] == [1, 1, 1, 1, 8, 8]
     assert default_freetoken_instances(64, engine_process=False) == 1
 
 
 def test_sender_threads_and_engine_process_parameters():
-    from freetoken_core.serving.params import sender_threads, serving_options
+    from freetoken_core.serving.config import sender_threads
 
-    defaults = serving_options({})
+    defaults = serving_config({})
     # auto: two on hosts of 16+ CPUs with the engine process (beside 8 instances), one elsewhere
-    assert defaults["engine_process"] == 1 and defaults["sender_threads"] == 0
+    assert defaults.engine_process == 1 and defaults.sender_threads == 0
     assert [sender_threads(defaults, cpus=n) for n in (2, 15, 16, 64)] == [1, 1, 2, 2]
-    assert sender_threads(serving_options({"engine_process": "0"}), cpus=64) == 1
-    assert sender_threads(serving_options({"sender_threads": "8"}), cpus=2) == 8
+    assert sender_threads(serving_config({"engine_process": "0"}), cpus=64) == 1
+    assert sender_threads(serving_config({"sender_threads": "8"}), cpus=2) == 8
     for bad in ("-1", "1.5", "65"):
         with pytest.raises(ValueError, match="sender_threads must be a whole number from 1 to 64"):
-            sender_threads(serving_options({"sender_threads": bad}))
+            sender_threads(serving_config({"sender_threads": bad}))
 
 
 def test_message_ring_parameters():
-    from freetoken_core.serving.params import msg_ring, serving_options
+    def msg_ring(config: ServingConfig) -> tuple[int, float]:
+        return config.ring_bytes, config.ring_poll_s
 
-    assert msg_ring(serving_options({})) == (0, 500e-6)  # off by default: the pipe
-    assert msg_ring(serving_options({"engine_msg_ring_kib": "64", "engine_msg_ring_poll_us": "500"})) == (65536, 5e-4)
+    assert msg_ring(serving_config({})) == (0, 500e-6)  # off by default: the pipe
+    assert msg_ring(serving_config({"engine_msg_ring_kib": "64", "engine_msg_ring_poll_us": "500"})) == (65536, 5e-4)
     for name, bad, words in (("engine_msg_ring_kib", "-1", "from 0"), ("engine_msg_ring_kib", "1.5", "whole"),
                              ("engine_msg_ring_poll_us", "5", "from 10 to 2000")):
         with pytest.raises(ValueError, match=words):
-            msg_ring(serving_options({name: bad}))
-
-
-def test_idle_spin_parameter():
-    from freetoken_core.serving.params import idle_spin, serving_options
-
-    assert idle_spin(serving_options({})) == 0.0  # off by default: block at once
-    assert idle_spin(serving_options({"idle_spin_us": "5000"})) == 5e-3
-    for bad in ("-1", "100001"):
-        with pytest.raises(ValueError, match="idle_spin_us must be from 0"):
-            idle_spin(serving_options({"idle_spin_us": bad}))
-
-
-def test_optional_outputs_parameter():
-    from freetoken_core.serving.params import send_unasked_outputs
-
-    assert send_unasked_outputs({}) and send_unasked_outputs({"optional_outputs": "all"})
-    assert not send_unasked_outputs({"optional_outputs": " Asked "})
-    with pytest.raises(ValueError, match="optional_outputs must be 'all' or 'asked'"):
-        send_unasked_outputs({"optional_outputs": "some"})
+            msg_ring(serving_config({name: bad}))
 
 
 def test_engine_model_instances_share_one_engine_process_or_are_refused(tmp_path: Path):
     """FREETOKEN_FREETOKEN_INSTANCES=N renders N `freetoken` instances (they share one engine process,
-    serving/engine_share.py); N > 1 with the engine in the model's own process would start N engines on
+    serving/engine_proc/engine_share.py); N > 1 with the engine in the model's own process would start N engines on
     one GPU, so it is refused with a message that says what to change."""
     import json
 
-    from freetoken_core.serving.freetoken_model import FreetokenModel, model_instance_count
+    from freetoken_core.serving.triton.freetoken_model import FreetokenModel, model_instance_count
 
     repo = render_repository(tmp_path / "repo", {"model_path": "/m"}, {"FREETOKEN_FREETOKEN_INSTANCES": "2"})
     assert "count: 2" in (repo / "freetoken" / "config.pbtxt").read_text()
@@ -209,7 +189,7 @@ def test_a_reload_with_an_edited_config_meets_in_a_new_place(tmp_path: Path):
     the old load's engine, so the rendezvous name changes with the config file."""
     import os
 
-    from freetoken_core.serving.freetoken_model import load_identity
+    from freetoken_core.serving.triton.freetoken_model import load_identity
 
     cfg = tmp_path / "config.pbtxt"
     cfg.write_text("name: 'freetoken'")
@@ -226,7 +206,7 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
     import argparse
     from types import SimpleNamespace
 
-    from freetoken_core.serving import launcher
+    from freetoken_core.serving.launch import serve as launcher
 
     seen = {}
 
@@ -250,15 +230,15 @@ def test_serve_passes_server_args_through_to_tritonserver(monkeypatch):
 def test_inflight_budget_is_shared_out_per_instance_and_needs_send_order():
     """detok_inflight_budget (128 by default, 0 off): each `freetoken` instance gets its part, rounded up; without
     detok_send_order it is ignored (a larger window could reorder a stream across detokenizer instances)."""
-    from freetoken_core.serving.freetoken_model import ordered_inflight_budget
-    from freetoken_core.serving.params import inflight_budget
+    from freetoken_core.serving.triton.freetoken_model import ordered_inflight_budget
+    from freetoken_core.serving.config import inflight_budget
 
-    assert serving_options({})["detok_inflight_budget"] == 128
-    assert [inflight_budget(serving_options({}), n) for n in (1, 8, 6, 0)] == [128, 16, 22, 128]
-    assert inflight_budget(serving_options({"detok_inflight_budget": "0"}), 8) == 0
-    options = serving_options({"detok_inflight_budget": "64"})
+    assert serving_config({}).detok_inflight_budget == 128
+    assert [inflight_budget(serving_config({}), n) for n in (1, 8, 6, 0)] == [128, 16, 22, 128]
+    assert inflight_budget(serving_config({"detok_inflight_budget": "0"}), 8) == 0
+    options = serving_config({"detok_inflight_budget": "64"})
     assert [inflight_budget(options, n) for n in (1, 8, 6)] == [64, 8, 11]
     assert ordered_inflight_budget(16, send_order=True) == 16 and ordered_inflight_budget(16, send_order=False) == 0
     for bad in ("-1", "2.5"):
         with pytest.raises(ValueError, match="detok_inflight_budget"):
-            inflight_budget(serving_options({"detok_inflight_budget": bad}), 8)
+            inflight_budget(serving_config({"detok_inflight_budget": bad}), 8)

@@ -42,8 +42,8 @@ class Launcher:
     """`freetoken-core serve` as a user starts it, in a subprocess."""
 
     def __init__(self, smollm2_path: str, tmp_path: Path, *extra: str) -> None:
-        from freetoken_core.serving.launcher import free_ports
-        from freetoken_core.serving.tritonserver import find_tritonserver
+        from freetoken_core.serving.launch.server import free_ports
+        from freetoken_core.serving.launch.tritonserver import find_tritonserver
 
         try:
             find_tritonserver()
@@ -64,7 +64,7 @@ class Launcher:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def ready(self) -> bool:
-        from freetoken_core.serving.supervisor import http_status
+        from freetoken_core.serving.launch.supervisor import http_status
 
         # the OpenAI frontend starts last: once it answers, the whole tree is up
         return (http_status(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=1.0) == 200
@@ -122,7 +122,7 @@ def _open_streams(url: str, n: int, max_tokens: int) -> tuple[list, queue.Queue]
 
 
 def _run_files(launcher_pid: int) -> list[str]:
-    from freetoken_core.serving.guard import RUN_PREFIX, SHM_DIR
+    from freetoken_core.serving.launch.guard import RUN_PREFIX, SHM_DIR
 
     import tempfile
 

@@ -1,6 +1,6 @@
 """Engine metrics never sit between a token and its response: every Triton metric update is an IPC round trip
 from the stub, so the loop sends histogram observations after the step's responses went to the sender, and
-finished-request counts with the other counters on the metrics timer (serving/metrics.py)."""
+finished-request counts with the other counters on the metrics timer (serving/triton/metrics.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.messages import EngineStats
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.metrics import TritonMetrics
-from freetoken_core.serving.request import ParsedRequest
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.triton.metrics import TritonMetrics
+from freetoken_core.serving.triton.request import ParsedRequest
 
 
 class FakePbUtils:

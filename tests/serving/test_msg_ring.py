@@ -1,4 +1,4 @@
-"""The engine process's shared-memory message ring (serving/msg_ring.py): every record comes out once, in
+"""The engine process's shared-memory message ring (serving/engine_proc/msg_ring.py): every record comes out once, in
 order, whole, across processes and across the wrap at the end; a full ring refuses instead of overwriting;
 the file is gone once the reader mapped it. The engine process's own tests (test_engine_process.py) run
 with the ring on (the default) and off."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from freetoken_core.serving.msg_ring import MsgRing, supported
+from freetoken_core.serving.engine_proc.msg_ring import MsgRing, supported
 
 pytestmark = pytest.mark.skipif(not supported(), reason="the ring is used on x86-64 only")
 

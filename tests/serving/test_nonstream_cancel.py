@@ -24,7 +24,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 @pytest.fixture(scope="module")
 def probe_server(smollm2_path, tmp_path_factory):
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
 
     workdir = tmp_path_factory.mktemp("triton-probe")
     params = {**SERVER_PARAMS, "model_path": smollm2_path, "nonstream_cancel_probe_ms": "100",

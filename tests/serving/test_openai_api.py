@@ -26,7 +26,7 @@ PROMPT = "The capital of France is"
 
 
 def _frontend(triton_server, tmp_path: Path, grpc_url: str | None = None, **opts):
-    from freetoken_core.serving.launcher import free_ports
+    from freetoken_core.serving.launch.server import free_ports
     from freetoken_core.serving.openai.process import FrontendOptions, start_frontend
 
     port = free_ports(1)[0]
@@ -79,7 +79,7 @@ def test_no_engine_is_503(triton_server, tmp_path):
     """A frontend whose Triton server is not there: /health and requests answer 503, in OpenAI's error shape."""
     import urllib.error
 
-    from freetoken_core.serving.launcher import free_ports
+    from freetoken_core.serving.launch.server import free_ports
     from freetoken_core.serving.openai.process import stop_frontend
 
     proc, port = _frontend(triton_server, tmp_path, grpc_url=f"127.0.0.1:{free_ports(1)[0]}")
@@ -285,7 +285,7 @@ def test_the_frontend_dies_with_its_parent(triton_server, tmp_path):
     import subprocess
     import sys
 
-    from freetoken_core.serving.launcher import free_ports
+    from freetoken_core.serving.launch.server import free_ports
 
     port = free_ports(1)[0]
     parent = subprocess.Popen([sys.executable, "-c", (
@@ -316,7 +316,7 @@ def test_the_frontend_dies_with_its_parent(triton_server, tmp_path):
 def test_serve_options_of_the_frontend(monkeypatch):
     import argparse
 
-    from freetoken_core.serving.launcher import add_serve_args
+    from freetoken_core.serving.launch.serve import add_serve_args
     from freetoken_core.serving.openai.process import API_KEY_ENV, DEFAULT_OPENAI_PORT, frontend_options
 
     p = argparse.ArgumentParser()

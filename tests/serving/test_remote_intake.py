@@ -17,12 +17,12 @@ import pytest
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.config import EngineConfig
 from freetoken_core.messages import DetokenizeMsg, EngineStats
-from freetoken_core.serving.cancel import CancelChannel
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.engine_process import EngineClient
-from freetoken_core.serving.request import ParsedRequest
-from freetoken_core.serving.sender import ResponseSender
-from freetoken_core.serving.text_models import order_of
+from freetoken_core.serving.stream.cancel import CancelChannel
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.engine_proc.engine_process import EngineClient
+from freetoken_core.serving.triton.request import ParsedRequest
+from freetoken_core.serving.stream.sender import ResponseSender
+from freetoken_core.serving.triton.text_models import order_of
 from tests.serving.test_engine_loop import AckingTransport, assert_streams_exact
 
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from freetoken_core.serving.request import parse_request, parse_sampling_parameters
+from freetoken_core.serving.triton.request import parse_request, parse_sampling_parameters
 
 
 def _t(**kw):
@@ -45,16 +45,10 @@ def test_return_logprobs_asks_engine_for_logprobs():
     assert r.return_logprobs and r.params.logprobs == 0
 
 
-def test_optional_outputs_are_sent_unless_turned_off_or_only_when_asked():
-    """optional_outputs "all" (default): an absent return_<name> sends the output, false leaves it out; "asked" (the
-    vLLM backend's rule): only return_<name>=true sends it."""
-    every = {"finish_reason", "num_input_tokens", "num_output_tokens"}
+def test_optional_outputs_are_sent_unless_turned_off():
+    """An absent return_<name> sends the output, false leaves it out."""
     assert parse_request(_t()).omit_outputs == frozenset()
     assert parse_request(_t(return_finish_reason=np.array([False]))).omit_outputs == {"finish_reason"}
-    assert parse_request(_t(), send_unasked_outputs=False).omit_outputs == every
-    asked = parse_request(_t(return_finish_reason=np.array([True]), return_num_output_tokens=np.array([False])),
-                          send_unasked_outputs=False)
-    assert asked.omit_outputs == every - {"finish_reason"}
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -100,7 +94,7 @@ def test_return_flags_false_omit_their_outputs():
 
 def test_build_outputs_honours_omit_and_sends_cancel_key_only_when_set():
     from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.response import build_outputs
+    from freetoken_core.serving.triton.response import build_outputs
 
     msg = DetokenizeMsg(uid=1, next_tokens=[5], finished=True, finish_reason="length", num_prompt_tokens=3,
                         num_output_tokens=1)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from freetoken_core.config import INT64_MAX, SamplingParams
-from freetoken_core.serving.request import check_request_parameters, parse_request
+from freetoken_core.serving.triton.request import check_request_parameters, parse_request
 
 VOCAB = 256
 

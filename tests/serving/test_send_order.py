@@ -1,4 +1,4 @@
-"""detok_send_order (serving/send_order.py): detokenizer instances keep each stream's responses in order
+"""detok_send_order (serving/stream/send_order.py): detokenizer instances keep each stream's responses in order
 through a shared order table, so the engine may keep several responses of a stream in flight."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import time
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.response import read_ensemble_meta
-from freetoken_core.serving.send_order import ORDER_FILE, OrderTable, SendOrder, SlotAllocator
-from freetoken_core.serving.text_models import detokenize_response, order_of
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+from freetoken_core.serving.triton.response import read_ensemble_meta
+from freetoken_core.serving.stream.send_order import ORDER_FILE, OrderTable, SendOrder, SlotAllocator
+from freetoken_core.serving.triton.text_models import detokenize_response, order_of
 from test_engine_loop import AckingTransport, RecordingTransport, run_acked_streams
 
 

@@ -1,9 +1,9 @@
-"""The sender thread's report line (serving/sender.py): the served benchmark reads where a response's
+"""The sender thread's report line (serving/stream/sender.py): the served benchmark reads where a response's
 time goes from it, so its numbers must be the ones it collected."""
 
 from __future__ import annotations
 
-from freetoken_core.serving.sender import SenderReport, percentile
+from freetoken_core.serving.stream.sender import SenderReport, percentile
 
 
 def test_percentile_of_sorted_values():
@@ -35,13 +35,13 @@ def test_a_streams_first_response_is_timed_once(smollm2_path, monkeypatch):
     """Through a real EngineLoop: every stream's first response adds one (wake, engine, to sender) entry."""
     import threading
 
-    from freetoken_core.serving import sender
+    from freetoken_core.serving.stream import sender
 
     monkeypatch.setattr(sender, "REPORT_INTERVAL_S", 1e9)  # a slow box must not start a new report meanwhile
 
     from freetoken_core import LLM, SamplingParams
-    from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-    from freetoken_core.serving.request import ParsedRequest
+    from freetoken_core.serving.engine_proc.engine_loop import EngineLoop, LoopOptions
+    from freetoken_core.serving.triton.request import ParsedRequest
 
     class Transport:
         def __init__(self) -> None:

@@ -13,8 +13,8 @@ pytest.importorskip("tritonclient.grpc")
 @pytest.mark.parametrize("extra", [0, 2])
 def test_floor_streams_one_response_a_token_on_its_schedule(tmp_path, extra):
     """extra: more small tensors at each hop (--extra-tensors) change nothing the client counts."""
-    from freetoken_core.serving.launcher import spawn_tritonserver, wait_ready
-    from freetoken_core.serving.tritonserver import find_tritonserver
+    from freetoken_core.serving.launch.server import spawn_tritonserver, wait_ready
+    from freetoken_core.serving.launch.tritonserver import find_tritonserver
 
     try:
         find_tritonserver()

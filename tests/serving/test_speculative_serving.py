@@ -22,7 +22,7 @@ TEXT = "Repeat the following code exactly, with no other text:\n" + CODE * 2
 def spec_server(smollm2_path, tmp_path_factory, request):
     """pipelined: overlap_schedule forced on (CPU), so greedy verify steps chain device-resident
     (spec/pipeline.py) as they do on CUDA."""
-    from freetoken_core.serving.launcher import start_server
+    from freetoken_core.serving.launch.server import start_server
 
     workdir = tmp_path_factory.mktemp("triton-spec")
     params = {**SERVER_PARAMS, "model_path": smollm2_path, "speculative": "ngram", "num_speculative_tokens": "4"}

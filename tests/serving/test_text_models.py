@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from freetoken_core.serving.chat import CHAT_ROLES, parse_chat_messages
-from freetoken_core.serving.text_models import detokenize_response, tokenize_request
+from freetoken_core.serving.triton.chat import CHAT_ROLES, parse_chat_messages
+from freetoken_core.serving.triton.text_models import detokenize_response, tokenize_request
 
 
 def _b(s: str) -> np.ndarray:
@@ -83,8 +83,8 @@ def test_slim_ensemble_response_is_one_tensor_and_decodes_like_the_full_one(tok)
     """The slim ensemble response packs tokens, counts, flags and the ack ids into `meta` alone (one
     tensor a send); the detokenizer reads the same text and outputs from it as from the full response."""
     from freetoken_core.messages import DetokenizeMsg
-    from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, read_ensemble_meta
-    from freetoken_core.serving.text_models import ack_of
+    from freetoken_core.serving.triton.response import build_ensemble_outputs, build_outputs, read_ensemble_meta
+    from freetoken_core.serving.triton.text_models import ack_of
 
     ids = tok.encode("Hello there, 世界 🐍!")
     ctx, new = ids[:4], ids[4:]

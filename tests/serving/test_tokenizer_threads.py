@@ -1,4 +1,4 @@
-"""The text models' tokenizer encodes on the calling thread (serving/triton_io.py model_tokenizer): the tokenizers
+"""The text models' tokenizer encodes on the calling thread (serving/triton/triton_io.py model_tokenizer): the tokenizers
 library's thread pool would hand each one-prompt encode to a pool thread and wake the caller back."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, os, sys, time
-from freetoken_core.serving.triton_io import model_tokenizer
+from freetoken_core.serving.triton.triton_io import model_tokenizer
 args = {"model_config": json.dumps({"parameters": {"model_path": {"string_value": sys.argv[1]}}})}
 tok = model_tokenizer(args)
 before = len(os.listdir("/proc/self/task"))

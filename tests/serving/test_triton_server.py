@@ -270,7 +270,7 @@ def test_cancel_mid_stream_frees_pages(triton_server):
     assert wait_for(lambda: _pages(triton_server)[0] == free0, 10), _pages(triton_server)
 
     # through the ensemble: Triton (2.51) does not mark the in-flight decoupled step cancelled, but the
-    # detokenizer sees it and forwards it to the engine (serving/cancel.py): aborted long before 400 tokens
+    # detokenizer sees it and forwards it to the engine (serving/stream/cancel.py): aborted long before 400 tokens
     gen0 = metric(scrape_metrics(triton_server.metrics_url), "freetoken_generation_tokens_total")
     s = Stream(triton_server.grpc_url)
     s.client.async_stream_infer("ensemble", ensemble_inputs("Count slowly from one to one hundred.", 400,

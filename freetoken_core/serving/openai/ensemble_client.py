@@ -3,7 +3,7 @@
 Every OpenAI request is one gRPC stream with one ensemble request on it, streaming or not (a non-streaming answer
 is the aggregate of the stream), so a client that leaves is seen at once: closing the generator cancels the gRPC
 call, Triton marks the request cancelled, and the ensemble's detokenizer tells the engine to abort it
-(serving/cancel.py). The stream ends at the response that carries a finish reason (the asyncio client cannot ask
+(serving/stream/cancel.py). The stream ends at the response that carries a finish reason (the asyncio client cannot ask
 for Triton's empty FINAL response, so the request asks for `finish_reason` in every response).
 """
 

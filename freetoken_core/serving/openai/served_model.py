@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from freetoken_core.serving.chat import parse_chat_messages
-from freetoken_core.serving.launcher import get_parameter
+from freetoken_core.serving.triton.chat import parse_chat_messages
+from freetoken_core.serving.launch.repository import get_parameter
 from freetoken_core.serving.openai.reasoning import THINK_OPEN
 from freetoken_core.serving.openai.tool_parsers import tool_parser_for_template
 from freetoken_core.tokenizer.tokenize import Tokenizer, load_tokenizer

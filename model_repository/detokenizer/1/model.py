@@ -1,10 +1,10 @@
-"""Triton Python model `detokenizer` (stateless): thin glue over freetoken_core.serving.text_models.
+"""Triton Python model `detokenizer` (stateless): thin glue over freetoken_core.serving.triton.text_models.
 
 Decoupled (config.pbtxt): each request's response goes out with `send()` inside execute, and only
-then is it acked to the engine (serving/cancel.py AckSender): the engine keeps a stream's next
+then is it acked to the engine (serving/stream/cancel.py AckSender): the engine keeps a stream's next
 response back until the previous one is acked, which keeps every stream in order across several
 instances of this model and merges tokens only while this model is behind (with detok_send_order the
-instances keep that order themselves, serving/send_order.py, and a stream may have several responses in
+instances keep that order themselves, serving/stream/send_order.py, and a stream may have several responses in
 flight). A plain (not decoupled) config works too (one response per request, returned from execute; acked
 just before the return, so without detok_send_order): then run a single instance, or responses of one
 stream may overtake each other."""
@@ -14,14 +14,14 @@ import time
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken_core.serving.cancel import AckSender, CancelCheckLimiter, channel_dir
-from freetoken_core.serving.gc_freeze import freeze_text_model
-from freetoken_core.serving.send_order import SendOrder
+from freetoken_core.serving.stream.cancel import AckSender, CancelCheckLimiter, channel_dir
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_text_model
+from freetoken_core.serving.stream.send_order import SendOrder
 from freetoken_core.lifetime import watch_parent
-from freetoken_core.serving.text_models import (
+from freetoken_core.serving.triton.text_models import (
     cancel_key_of, check_route, detokenize_response, ensemble_meta_of, forward_cancel, is_probe,
 )
-from freetoken_core.serving.triton_io import respond_each, model_tokenizer, send_each
+from freetoken_core.serving.triton.triton_io import respond_each, model_tokenizer, send_each
 
 INPUTS = ("next_tokens", "context_tokens", "finished", "finish_reason", "stop_reason", "num_input_tokens",
           "num_output_tokens", "logprobs", "prompt_text", "detok_params", "cancel_key", "probe", "meta")

@@ -4,7 +4,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken_core.serving.freetoken_model import FreetokenModel
+from freetoken_core.serving.triton.freetoken_model import FreetokenModel
 
 
 class TritonPythonModel:

@@ -1,11 +1,11 @@
-"""Triton Python model `tokenizer`: thin glue over freetoken_core.serving.text_models."""
+"""Triton Python model `tokenizer`: thin glue over freetoken_core.serving.triton.text_models."""
 
 import triton_python_backend_utils as pb_utils
 
-from freetoken_core.serving.gc_freeze import freeze_text_model
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_text_model
 from freetoken_core.lifetime import watch_parent
-from freetoken_core.serving.text_models import tokenize_request
-from freetoken_core.serving.triton_io import model_tokenizer, respond_each
+from freetoken_core.serving.triton.text_models import tokenize_request
+from freetoken_core.serving.triton.triton_io import model_tokenizer, respond_each
 
 INPUTS = ("text_input", "messages", "apply_chat_template", "stop_words")
 

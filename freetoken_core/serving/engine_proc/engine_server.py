@@ -1,13 +1,14 @@
-"""The child side of serving/engine_process.py: the engine process's main and its loop.
+"""The child side of serving/engine_proc/engine_process.py: the engine process's main and its loop.
 
 `EngineServer` takes the commands of the instance that started it (connection 0: a pipe pair) and, for
-a shared engine (serving/engine_share.py), of the members that joined on its listener; it steps the
+a shared engine (serving/engine_proc/engine_share.py), of the members that joined on its listener; it steps the
 Scheduler back to back and sends each message to the instance whose request it is.
 """
 
 from __future__ import annotations
 
 import logging
+import dataclasses
 import pickle
 import queue
 import threading
@@ -20,14 +21,15 @@ from typing import Any
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.lifetime import watch_parent
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.cpu_affinity import format_cpu_list, pin_this_process
-from freetoken_core.serving.engine_share import MAX_INSTANCES
-from freetoken_core.serving.faults import FaultSpec, install_fault_hook, is_device_fatal
-from freetoken_core.serving.gc_freeze import freeze_startup_heap
-from freetoken_core.serving.heap_trim import HeapTrimmer
-from freetoken_core.serving.msg_ring import FULL_WAIT_S, MsgRing, supported
+from freetoken_core.serving.engine_proc.cpu_affinity import format_cpu_list, pin_this_process
+from freetoken_core.serving.engine_proc.engine_share import MAX_INSTANCES
+from freetoken_core.serving.engine_proc.faults import FaultSpec, install_fault_hook, is_device_fatal
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap
+from freetoken_core.serving.engine_proc.heap_trim import HeapTrimmer
+from freetoken_core.serving.engine_proc.msg_ring import FULL_WAIT_S, MsgRing, supported
+from freetoken_core.serving.engine_proc.protocol import (Abort, AddRequest, Bye, Dead, Failed, Ready, Stats, StepBatch,
+                                                        Stop, Stopped, encode)
 from freetoken_core.serving.report import REPORT_INTERVAL_S, configure_logging, percentile
-from freetoken_core.serving.spin import spin_until
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +37,8 @@ STATS_INTERVAL_S = 0.25  # how often a busy child sends its EngineStats (an idle
 STOPPED = "the engine stopped (the model is unloading)"
 
 
-def encode(msg: DetokenizeMsg) -> tuple:
-    """A message as a plain tuple in field order (what pickles fastest; the child pays for it per step)."""
-    return tuple(msg.__dict__.values())
-
-
-def decode(fields: tuple) -> DetokenizeMsg:
-    return DetokenizeMsg(*fields)
-
-
 def make_ring(capacity: int) -> MsgRing | None:
-    """A message ring for one instance (serving/msg_ring.py), or None: off (capacity 0), not on this CPU, or
+    """A message ring for one instance (serving/engine_proc/msg_ring.py), or None: off (capacity 0), not on this CPU, or
     no room in shared memory (then the pipe carries the messages, as it always can)."""
     if capacity <= 0 or not supported():
         return None
@@ -73,12 +66,19 @@ class StepPace:
 
 
 @dataclass(frozen=True)
+class MemberJoined:
+    """Not a pipe message: the accept thread hands the main loop a member's connection (and its ring)."""
+
+    conn: Any
+    ring: MsgRing | None
+
+
+@dataclass(frozen=True)
 class ChildOptions:
     """How the engine process talks to its instances and where it runs (the serving parameters of its owner)."""
 
     ring_bytes: int = 0  # engine_msg_ring_kib: each instance's shared-memory message ring (0: the pipe)
     engine_cpus: frozenset[int] = frozenset()  # engine_cpus: the CPUs this process moves onto (empty: stays)
-    idle_spin_s: float = 0.0  # idle_spin_us: how long an idle engine looks for the next command (serving/spin.py)
     gc_freeze: bool = True  # gc_freeze: this process's start-up heap out of the garbage collector's way (gc_freeze.py)
 
 
@@ -97,21 +97,20 @@ def engine_main(cmd_conn: Any, out_conn: Any, config: EngineConfig, faults: list
         if faults:
             install_fault_hook(sched, faults)
         anchors = sched.tokenizer.anchors if sched.tokenizer is not None else None
-        info = {"anchors": anchors, "stats": sched.stats(), "max_req_len": sched.max_req_len, "index": 0}
+        info = Ready(anchors, sched.stats(), sched.max_req_len)
         listener = Listener(listen[0], family="AF_UNIX", authkey=listen[1]) if listen is not None else None
         ring = make_ring(options.ring_bytes)
         if options.gc_freeze:  # the model, its graphs and warm-up are in place: what lives now lives as long
             freeze_startup_heap("engine process")
-        out_conn.send(("ready", {**info, "ring": ring.path if ring is not None else None}))
+        out_conn.send(dataclasses.replace(info, ring=ring.path if ring is not None else None))
     except BaseException as e:  # noqa: BLE001  the parent reports it and fails the model load
         log.exception("the engine failed to start")
         if ring is not None:
             ring.discard()
-        out_conn.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
+        out_conn.send(Failed(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"))
         return
     try:
-        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=options.ring_bytes,
-                     idle_spin_s=options.idle_spin_s).run()
+        EngineServer(sched, cmd_conn, out_conn, listener, info, ring=ring, ring_bytes=options.ring_bytes).run()
     finally:
         sched.close()
 
@@ -121,14 +120,12 @@ class EngineServer:
     side ever blocks on a full pipe), step the scheduler back to back while it has work, send each
     step's messages at once, each to the instance whose request it is. Connection 0 is the owner's
     pipe pair; a shared engine accepts members on `listener` (1, 2, ...). With `ring_bytes` each
-    instance's step messages go through a shared-memory ring of its own (serving/msg_ring.py; `ring`:
+    instance's step messages go through a shared-memory ring of its own (serving/engine_proc/msg_ring.py; `ring`:
     the owner's, made before the ready message), everything else over its connection."""
 
     def __init__(self, sched: Any, cmd_conn: Any, out_conn: Any, listener: Any = None,
-                 ready_info: dict | None = None, ring: MsgRing | None = None, ring_bytes: int = 0,
-                 idle_spin_s: float = 0.0) -> None:
+                 ready_info: Ready | None = None, ring: MsgRing | None = None, ring_bytes: int = 0) -> None:
         self.sched = sched
-        self.idle_spin_s = idle_spin_s  # serving/spin.py: how long an idle engine looks for the next command
         self.outs: dict[int, Any] = {0: out_conn}
         self.rings: dict[int, MsgRing] = {0: ring} if ring is not None else {}
         self.ring_bytes = ring_bytes
@@ -136,10 +133,11 @@ class EngineServer:
         self.owner_of: dict[int, int] = {}  # request uid -> connection index
         self.orphans: set[int] = set()  # requests of a member that left: aborted, their last messages dropped
         self.requests_by_instance: dict[int, int] = {}  # how many requests each connection submitted (logged)
-        self.commands: queue.SimpleQueue[tuple[int, tuple | None]] = queue.SimpleQueue()
+        # (connection index, its command; None: that side is gone); MemberJoined comes from the accept thread
+        self.commands: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self.readers = [self._reader(0, cmd_conn)]
         self.listener = listener
-        self.ready_info = ready_info or {}
+        self.ready_info = ready_info
         self.last_stats = 0.0
         self.heap = HeapTrimmer()
         self.stopping = False
@@ -171,17 +169,17 @@ class EngineServer:
             ring = None
             try:
                 if index >= MAX_INSTANCES:
-                    conn.send(("failed", f"a shared engine serves at most {MAX_INSTANCES} instances"))
+                    conn.send(Failed(f"a shared engine serves at most {MAX_INSTANCES} instances"))
                     conn.close()
                     continue
                 ring = make_ring(self.ring_bytes)
                 # its stats: the loop's next broadcast
-                conn.send(("ready", {**self.ready_info, "index": index, "ring": ring.path if ring else None}))
+                conn.send(dataclasses.replace(self.ready_info, index=index, ring=ring.path if ring else None))
             except (OSError, ValueError):
                 if ring is not None:
                     ring.discard()
                 continue
-            self.commands.put((index, ("hello", conn, ring)))  # before its commands: the main loop registers it
+            self.commands.put((index, MemberJoined(conn, ring)))  # before its commands: the main loop registers it
             reader = self._reader(index, conn)
             self.readers.append(reader)
             reader.start()
@@ -217,11 +215,11 @@ class EngineServer:
                         log.info("%s", self.pace.line(now))
                     self.pace = StepPace(t0=now)
                 if now - self.last_stats >= STATS_INTERVAL_S or not sched.has_work():
-                    self._broadcast(("stats", sched.stats()))
+                    self._broadcast(Stats(sched.stats()))
                     self.last_stats = now
                 self.heap.maybe_trim(now, idle=not sched.has_work())
             for index in [i for i in self.outs if i != 0]:  # the owner stopped it: tell the members
-                self._send(index, ("stopped", STOPPED))
+                self._send(index, Stopped(STOPPED))
             if self.listener is not None:
                 log.info("shared engine stopping: requests per instance %s", dict(sorted(self.requests_by_instance.items())))
         finally:
@@ -240,7 +238,7 @@ class EngineServer:
                     self.owner_of.pop(m.uid, None)
             self._send_encoded(0, [encode(m) for m in msgs])
             return
-        groups: dict[int, list[tuple]] = {}
+        groups: dict[int, StepBatch] = {}
         for m in msgs:
             if m.uid in self.orphans:
                 if m.finished:
@@ -251,11 +249,11 @@ class EngineServer:
         for index, group in groups.items():
             self._send_encoded(index, group)
 
-    def _send_encoded(self, index: int, group: list[tuple]) -> None:
+    def _send_encoded(self, index: int, group: StepBatch) -> None:
         """One step's messages for one instance: through its ring when it has one, else its connection."""
         ring = self.rings.get(index)
         if ring is None:
-            self._send(index, ("msgs", group))
+            self._send(index, group)
             return
         payload = pickle.dumps(group, protocol=pickle.HIGHEST_PROTOCOL)
         if len(payload) > ring.max_payload and len(group) > 1:  # a huge step: in parts, in order
@@ -264,7 +262,7 @@ class EngineServer:
             self._send_encoded(index, group[half:])
             return
         if len(payload) > ring.max_payload:  # one message larger than a record (a huge error text)
-            self._send(index, ("msgs", group))  # after what the ring holds: the reader drains it first
+            self._send(index, group)  # after what the ring holds: the reader drains it first
             return
         while not ring.put(payload):  # the instance is behind: wait for room, as a full pipe would
             if index in self.gone:
@@ -275,7 +273,7 @@ class EngineServer:
                 return
             time.sleep(FULL_WAIT_S)
 
-    def _send(self, index: int, item: tuple) -> None:
+    def _send(self, index: int, item: Any) -> None:
         out = self.outs.get(index)
         if out is None:
             return
@@ -287,7 +285,7 @@ class EngineServer:
         except (OSError, ValueError):
             self._drop(index)
 
-    def _broadcast(self, item: tuple) -> None:
+    def _broadcast(self, item: Any) -> None:
         for index in list(self.outs):
             self._send(index, item)
 
@@ -308,8 +306,6 @@ class EngineServer:
                 self.orphans.add(uid)  # its abort message has no one to go to
 
     def _take_commands(self, block: bool) -> None:
-        if block and self.idle_spin_s > 0 and spin_until(lambda: not self.commands.empty(), self.idle_spin_s):
-            block = False  # a command came while this thread looked (serving/spin.py)
         while True:
             try:
                 index, cmd = self.commands.get(timeout=1.0) if block else self.commands.get_nowait()
@@ -318,25 +314,25 @@ class EngineServer:
                     continue
                 return
             block = False
-            if index != 0 and (cmd is None or cmd[0] == "bye"):
+            if index != 0 and (cmd is None or isinstance(cmd, Bye)):
                 self._drop(index)
                 continue
-            if cmd is None or cmd[0] == "stop":
+            if cmd is None or isinstance(cmd, Stop):
                 if index == 0:  # only the owner stops the engine
                     self.stopping = True
                     return
                 continue
-            if cmd[0] == "hello":
-                self.outs[index] = cmd[1]
-                if cmd[2] is not None:
-                    self.rings[index] = cmd[2]
-            elif cmd[0] == "add":
+            if isinstance(cmd, MemberJoined):
+                self.outs[index] = cmd.conn
+                if cmd.ring is not None:
+                    self.rings[index] = cmd.ring
+            elif isinstance(cmd, AddRequest):
                 self.requests_by_instance[index] = self.requests_by_instance.get(index, 0) + 1
                 if index != 0 or len(self.outs) > 1:
-                    self.owner_of[cmd[1]] = index
-                self._add(*cmd[1:])
-            elif cmd[0] == "abort":
-                self.sched.abort(cmd[1])
+                    self.owner_of[cmd.uid] = index
+                self._add(cmd.uid, cmd.input_ids, cmd.params)
+            elif isinstance(cmd, Abort):
+                self.sched.abort(cmd.uid)
 
     def _add(self, uid: int, input_ids: list[int], params: SamplingParams) -> None:
         try:
@@ -364,7 +360,7 @@ class EngineServer:
             log.critical("the device is unusable (%s)", what, exc_info=e)
         for index in list(self.outs):
             try:
-                self._send(index, ("dead", what))
+                self._send(index, Dead(what))
             except (OSError, ValueError):
                 pass
         return None

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import Any, Mapping
 
+from freetoken_core.serving.config import serving_config
 from freetoken_core.serving.params import parse_model_config_params
 from freetoken_core.serving.report import configure_logging
 
@@ -38,19 +40,9 @@ def freeze_startup_heap(where: str) -> int:
     return frozen
 
 
-def gc_freeze_wanted(value: str | float | None) -> bool:
-    """The `gc_freeze` parameter as a text model's config or the freetoken model's options give it."""
-    text = "1" if value is None else str(value).strip().lower()
-    if text in ("", "1", "1.0", "true", "yes", "on"):
-        return True
-    if text in ("0", "0.0", "false", "no", "off"):
-        return False
-    raise ValueError(f"serving parameter gc_freeze must be 1 or 0, got {value!r}")
-
-
 def freeze_text_model(args: Mapping[str, Any], where: str) -> None:
     """A text model's initialize(), once its tokenizer is loaded: freeze unless its config says gc_freeze=0 (and
     log it as the freetoken model logs, so that the server's log shows every process's line)."""
     configure_logging()
-    if gc_freeze_wanted(parse_model_config_params(args["model_config"]).get("gc_freeze")):
+    if serving_config(parse_model_config_params(args["model_config"]), os.environ).gc_freeze:
         freeze_startup_heap(where)

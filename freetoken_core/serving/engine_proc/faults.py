@@ -38,7 +38,7 @@ class DeviceFatalError(RuntimeError):
 
 def is_device_fatal(exc: BaseException) -> bool:
     """Also a dead tensor-parallel rank: no later step can run (the model must report not ready)."""
-    from ..distributed.group import TensorParallelError
+    from ...distributed.group import TensorParallelError
 
     return (isinstance(exc, (DeviceFatalError, TensorParallelError))
             or bool(_STICKY_CUDA.search(f"{type(exc).__name__}: {exc}")))

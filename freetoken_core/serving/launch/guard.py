@@ -149,7 +149,7 @@ def _group_alive(pgid: int) -> bool:
 def start_guard(orders: GuardOrders) -> subprocess.Popen:
     """Start the guard for `orders`; the caller keeps `.stdin` open for as long as it lives and writes
     STOPPED there on a clean stop (`stop_guard`)."""
-    guard = subprocess.Popen([sys.executable, "-m", "freetoken_core.serving.guard"], stdin=subprocess.PIPE,
+    guard = subprocess.Popen([sys.executable, "-m", "freetoken_core.serving.launch.guard"], stdin=subprocess.PIPE,
                              stdout=subprocess.DEVNULL, start_new_session=True, text=True)
     assert guard.stdin is not None
     guard.stdin.write(json.dumps(asdict(orders)) + "\n")

@@ -42,8 +42,8 @@ class ParsedRequest:
     # outputs the client turned off (return_finish_reason / return_num_input_tokens /
     # return_num_output_tokens = false): left out of every response, as TensorRT-LLM's ensemble does
     omit_outputs: frozenset[str] = frozenset()
-    # the request came through the ensemble (its tokenizer step proved it: serving/ensemble_secret.py): responses
-    # carry a cancel key for the detokenizer (serving/cancel.py); a direct client never sees a cancel field
+    # the request came through the ensemble (its tokenizer step proved it: serving/triton/ensemble_secret.py): responses
+    # carry a cancel key for the detokenizer (serving/stream/cancel.py); a direct client never sees a cancel field
     from_ensemble: bool = False
     # set by the ensemble's tokenizer step too: its detokenizer acks each streamed response, and the
     # engine paces the stream by them (flow control); a client emulating the tokenizer without a
@@ -51,8 +51,7 @@ class ParsedRequest:
     detok_acks: bool = False
 
 
-# return_<output> inputs: true = send the output, false = leave it out, absent = send it unless the serving parameter
-# optional_outputs is "asked"
+# return_<output> inputs: true or absent = send the output, false = leave it out
 OPTIONAL_OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens")
 
 
@@ -175,13 +174,10 @@ def parse_request(
     max_tokens_limit: int | None = None,
     vocab_size: int | None = None,
     max_nonstream_tokens: int | None = None,
-    send_unasked_outputs: bool = True,
     parameters: str = "",
     from_ensemble: bool = False,
 ) -> ParsedRequest:
     """Validate one request; raise ValueError with a message that names the bad input or limit.
-    send_unasked_outputs (serving parameter optional_outputs): whether an optional output whose return_<name> input
-    the client left out is sent (True, "all") or only one it asked for (False, "asked": the vLLM backend's rule).
     parameters: the request's parameters as JSON (check_request_parameters)."""
     check_request_parameters(parameters)
     ids = tensors.get("input_ids")
@@ -243,8 +239,7 @@ def parse_request(
             "reply, so the server bounds the work): stream longer outputs (generate_stream, or stream=true)")
     prompt = _scalar(tensors.get("text_input"))
     flags = {name: _scalar(tensors.get(f"return_{name}")) for name in OPTIONAL_OUTPUTS}
-    omit = frozenset(name for name, flag in flags.items()
-                     if (not send_unasked_outputs if flag is None else not bool(flag)))
+    omit = frozenset(name for name, flag in flags.items() if flag is not None and not bool(flag))
     return ParsedRequest(
         input_ids=[int(t) for t in ids],
         params=params,

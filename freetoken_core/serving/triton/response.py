@@ -32,7 +32,7 @@ def build_outputs(
     omit: frozenset[str] = frozenset(),
 ) -> dict[str, np.ndarray]:
     """One response's tensors. `omit` names outputs the client turned off (return_<name>=false);
-    `cancel_key` goes out only when set, i.e. only to the ensemble's detokenizer (serving/cancel.py)."""
+    `cancel_key` goes out only when set, i.e. only to the ensemble's detokenizer (serving/stream/cancel.py)."""
     stop = msg.stop_reason
     out = {
         "next_tokens": np.asarray(next_tokens, dtype=np.int32),
@@ -60,7 +60,7 @@ def build_outputs(
 # send, an output for the server and an input of the detokenizer's request). Layout: a header of
 # META_HEADER values [flags, num_input_tokens, num_output_tokens, engine id, uid, seq, order slot (-1:
 # none), len(context), len(next_tokens), route tag (2 values)], then the context window's tokens, then
-# next_tokens. The route tag proves the response comes from this server's engine (serving/ensemble_secret.py).
+# next_tokens. The route tag proves the response comes from this server's engine (serving/triton/ensemble_secret.py).
 META_HEADER = 11
 # meta[0] bits
 META_FINISHED = 1
@@ -127,12 +127,12 @@ def build_ensemble_outputs(
     strings go only when they differ from the detokenizer's defaults (its inputs are optional), and
     `cancel_key` only when the caller says it is due (EngineLoop: first response, then every cancel_check
     interval); spec_* and stop_reason are not ensemble outputs, so never sent. `ack` = (engine id, uid,
-    seq): the detokenizer acks this response once it sent it on (serving/cancel.py AckSender; the
+    seq): the detokenizer acks this response once it sent it on (serving/stream/cancel.py AckSender; the
     engine's flow control and per-stream order rest on it); `order_slot` (with `ack`): the stream's
     slot in the engine's order table, so that it is sent only after its previous response
-    (serving/send_order.py). `logprobs_asked`: the client asked for logprobs, so the detokenizer answers with a
+    (serving/stream/send_order.py). `logprobs_asked`: the client asked for logprobs, so the detokenizer answers with a
     logprobs output (empty when this response has none); otherwise it sends none, one tensor fewer a response.
-    `route_tag`: this server's (serving/ensemble_secret.py), checked by the detokenizer before it touches an order
+    `route_tag`: this server's (serving/triton/ensemble_secret.py), checked by the detokenizer before it touches an order
     table or acks anything."""
     flags = META_FINISHED if msg.finished else 0
     if logprobs_asked:

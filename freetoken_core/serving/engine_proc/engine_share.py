@@ -4,7 +4,7 @@ Why: every response a decoupled Python model sends is one IPC round trip between
 and the server, and one stub's sends do not scale with threads (on the H200 four sender threads
 doubled each send's cost, `send()` p50 250 -> 550 us, for ~1.5x the responses/s). Each model instance
 is a stub of its own, so N instances send N times as many responses; but the GPU must hold one
-engine. So the first instance to load starts the engine process (serving/engine_process.py) and the
+engine. So the first instance to load starts the engine process (serving/engine_proc/engine_process.py) and the
 others connect to it; each instance keeps its own requests, cancel channel, metrics and sends, and the
 engine routes every message to the instance whose request it is.
 
@@ -17,7 +17,7 @@ How the instances find each other, safely:
   pid reused, a crashed load) and is removed and elected again.
 
 Limit: the instances of one load are told apart from another load's only by what `load_identity`
-(serving/freetoken_model.py) reads: model name, version and the config file's mtime. Reloading unchanged
+(serving/triton/freetoken_model.py) reads: model name, version and the config file's mtime. Reloading unchanged
 files while the model is loaded would let the new instances join the old engine, which stops with the
 old load; unload first, then load.
 """

@@ -61,6 +61,6 @@ def is_ensemble_key(value: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def route_tag() -> tuple[int, int]:
-    """Two int32 values derived from the secret: what a slim response's `meta` carries (serving/response.py)."""
+    """Two int32 values derived from the secret: what a slim response's `meta` carries (serving/triton/response.py)."""
     digest = hashlib.sha256(b"freetoken-route:" + ensemble_secret().encode()).digest()
     return (int.from_bytes(digest[:4], "little", signed=True), int.from_bytes(digest[4:8], "little", signed=True))

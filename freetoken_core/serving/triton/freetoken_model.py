@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 from pathlib import Path
@@ -15,20 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from freetoken_core.serving.cpu_affinity import engine_cpus_of_model
-from freetoken_core.serving.ensemble_secret import is_ensemble_key, route_tag
-from freetoken_core.serving.engine_loop import EngineLoop, LoopOptions
-from freetoken_core.serving.faults import InjectedFault, install_fault_hook, parse_fault_specs
-from freetoken_core.serving.gc_freeze import freeze_startup_heap, gc_freeze_wanted
+from freetoken_core.serving.engine_proc.cpu_affinity import engine_cpus_of_model
+from freetoken_core.serving.triton.ensemble_secret import is_ensemble_key, route_tag
+from freetoken_core.serving.config import ServingConfig, inflight_budget, sender_threads, serving_config
+from freetoken_core.serving.engine_proc.engine_loop import EngineLoop
+from freetoken_core.serving.engine_proc.loop_options import LoopOptions
+from freetoken_core.serving.engine_proc.faults import InjectedFault, install_fault_hook, parse_fault_specs
+from freetoken_core.serving.engine_proc.gc_freeze import freeze_startup_heap
 from freetoken_core.lifetime import kill_children, watch_parent
-from freetoken_core.serving.metrics import TritonMetrics
-from freetoken_core.serving.params import (
-    engine_config_from_params, idle_spin, msg_ring, parse_model_config_params, send_unasked_outputs, sender_threads,
-    inflight_budget, serving_options, stream_interval,
-)
+from freetoken_core.serving.triton.metrics import TritonMetrics
+from freetoken_core.serving.params import engine_config_from_params, parse_model_config_params
 from freetoken_core.serving.report import configure_logging
-from freetoken_core.serving.request import _scalar, _text, parse_request
-from freetoken_core.serving.triton_io import input_arrays
+from freetoken_core.serving.triton.request import _scalar, _text, parse_request
+from freetoken_core.serving.triton.triton_io import input_arrays
 from freetoken_core.tokenizer.tokenize import config_vocab_size
 
 log = logging.getLogger("freetoken_core.serving")
@@ -74,7 +74,7 @@ def check_detokenizer_decoupled(model_dir: str) -> None:
             "nonstream_cancel_probe_ms to 0")
 
 
-def send_order_enabled(option: float, model_dir: str) -> bool:
+def send_order_enabled(option: bool, model_dir: str) -> bool:
     """detok_send_order as set, except with a plain (not decoupled) detokenizer: that one marks a response
     sent before execute() returns it, so a later response of the stream could overtake it on another
     instance; there a stream keeps one response in flight instead (logged, not refused: the option is on
@@ -103,7 +103,7 @@ def load_identity(args: dict[str, Any]) -> str:
     """What the instances of one load of this model agree on: name, version and the config file's
     mtime, so that a reload with an edited config (Triton loads the new instances before it unloads the
     old ones) starts an engine of its own instead of joining the old one. A reload of unchanged files
-    while loaded would join the old engine: unload, then load (serving/engine_share.py)."""
+    while loaded would join the old engine: unload, then load (serving/engine_proc/engine_share.py)."""
     repo = args.get("model_repository")
     try:
         stamp = f"-{(Path(repo) / 'config.pbtxt').stat().st_mtime_ns}" if repo else ""
@@ -127,13 +127,13 @@ def detokenizer_instances(model_dir: str) -> int:
     return int(m.group(1)) if m else 1
 
 
-def max_inflight(option: float, model_dir: str, send_order: bool = False, budget: int = 0) -> int:
+def max_inflight(option: int, model_dir: str, send_order: bool = False, budget: int = 0) -> int:
     """detok_max_inflight: as set, or (0 = auto) 1 with detok_send_order and an inflight budget (the budget shared
     by the streams in flight sets the window, at least one a stream: many streams then no longer queue more
     responses than the budget in front of the detokenizers), 4 for a single detokenizer instance or with
     detok_send_order alone (the instances keep each stream in order), else 1."""
     if option != int(option) or option < 0:
-        raise ValueError(f"serving parameter detok_max_inflight must be a whole number >= 0, got {option:g}")
+        raise ValueError(f"serving parameter detok_max_inflight must be a whole number >= 0, got {option}")
     if option:
         return int(option)
     if send_order and budget > 0:
@@ -141,9 +141,27 @@ def max_inflight(option: float, model_dir: str, send_order: bool = False, budget
     return 4 if send_order or detokenizer_instances(model_dir) == 1 else 1
 
 
+def loop_options(config: ServingConfig, model_dir: str, instances: int) -> LoopOptions:
+    """The engine loop's settings for this instance: the ServingConfig resolved against the ensemble next to it (is
+    its detokenizer decoupled, how many instances) and this host (sender_threads auto)."""
+    send_order = send_order_enabled(config.detok_send_order, model_dir)
+    budget = ordered_inflight_budget(inflight_budget(config, instances), send_order)
+    return LoopOptions(
+        cancel_check_interval_s=config.cancel_check_interval_ms / 1000.0,
+        metrics_interval_s=config.metrics_interval_ms / 1000.0,
+        stream_interval=config.stream_interval,
+        nonstream_probe_interval_s=config.nonstream_cancel_probe_ms / 1000.0,
+        max_inflight=max_inflight(config.detok_max_inflight, model_dir, send_order, budget),
+        inflight_budget=budget,
+        sender_threads=sender_threads(config),
+        send_order=send_order,
+        route_tag=route_tag(),
+    )
+
+
 def from_ensemble(tensors: dict[str, np.ndarray]) -> bool:
     """Whether the ensemble's tokenizer step sent this request: its `ensemble_key` is the server's secret. A
-    client that sends one is refused, whatever it holds (serving/ensemble_secret.py)."""
+    client that sends one is refused, whatever it holds (serving/triton/ensemble_secret.py)."""
     key = tensors.get("ensemble_key")
     if key is None:
         return False
@@ -181,23 +199,22 @@ class FreetokenModel:
         watch_parent(f"{self.model_name} stub", on_orphaned=self._end_engine_process)
         model_config = json.loads(args["model_config"])
         params = parse_model_config_params(model_config)
-        self.options = serving_options(params)
-        faults = parse_fault_specs(params.get("fault_injection", ""))
+        self.config = serving = serving_config(params, os.environ)  # checked (unknown names too) before the engine
+        faults = parse_fault_specs(serving.fault_injection)
         if faults:
             log.warning("TEST ONLY: fault injection is on: %s", faults)
         config = engine_config_from_params(params)
         log.info("starting engine: %s", config)
+        log.info("serving: %s", serving)
         instances = model_instance_count(model_config)
-        budget = inflight_budget(self.options, instances)  # checked before the engine starts
-        gc_freeze = gc_freeze_wanted(self.options["gc_freeze"])
-        if instances > 1 and not self.options["engine_process"]:
+        if instances > 1 and not serving.engine_process:
             raise ValueError(f"{self.model_name} has {instances} instances (instance_group count), which share one "
                              "engine process: set engine_process=1, or use one instance")
-        engine_cpus = engine_cpus_of_model(params.get("engine_cpus", ""), config.tensor_parallel_size,
-                                           engine_process=bool(self.options["engine_process"]))
-        if self.options["engine_process"]:
-            from freetoken_core.serving.engine_process import EngineClient
-            from freetoken_core.serving.engine_share import MAX_INSTANCES, EngineRendezvous
+        engine_cpus = engine_cpus_of_model(serving.engine_cpus, config.tensor_parallel_size,
+                                           engine_process=serving.engine_process)
+        if serving.engine_process:
+            from freetoken_core.serving.engine_proc.engine_process import EngineClient
+            from freetoken_core.serving.engine_proc.engine_share import MAX_INSTANCES, EngineRendezvous
 
             if instances > MAX_INSTANCES:
                 raise ValueError(f"{self.model_name} has {instances} instances; one engine serves at most "
@@ -205,41 +222,26 @@ class FreetokenModel:
             # several instances (stubs: each sends its own requests' responses) share one engine on the GPU
             share = EngineRendezvous(load_identity(args)) if instances > 1 else None
             # the fault hook goes into the child with the scheduler it wraps
-            ring_bytes, ring_poll_s = msg_ring(self.options)
             self.sched = EngineClient(config, [f for f in faults if f.kind != "init"], share=share,
-                                      ring_bytes=ring_bytes, ring_poll_s=ring_poll_s, engine_cpus=engine_cpus,
-                                      idle_spin_s=idle_spin(self.options), gc_freeze=gc_freeze)
+                                      ring_bytes=serving.ring_bytes, ring_poll_s=serving.ring_poll_s,
+                                      engine_cpus=engine_cpus, gc_freeze=serving.gc_freeze)
         else:
             from freetoken_core.scheduler.scheduler import Scheduler
 
             self.sched = Scheduler(config)
             if faults:
                 install_fault_hook(self.sched, faults)
-        self.max_tokens_limit = int(self.options["max_tokens_limit"]) or None
+        self.max_tokens_limit = serving.max_tokens_limit or None
         self.vocab_size = config_vocab_size(config.model_path) or None  # bounds input_ids, top_k and stop_token_ids
-        self.max_nonstream_tokens = int(self.options["max_nonstream_tokens"]) or None
-        self.send_unasked_outputs = send_unasked_outputs(params)
-        probe_ms = self.options["nonstream_cancel_probe_ms"]
+        self.max_nonstream_tokens = serving.max_nonstream_tokens or None
         model_dir = args.get("model_repository", "")
-        if probe_ms > 0:
+        if serving.nonstream_cancel_probe_ms > 0:
             check_detokenizer_decoupled(model_dir)
         labels = {"model": self.model_name, "version": str(args.get("model_version", "1"))}
-        send_order = send_order_enabled(self.options["detok_send_order"], model_dir)
-        ordered_budget = ordered_inflight_budget(budget, send_order)
         self.loop = EngineLoop(
             self.sched,
             TritonTransport(pb_utils),
-            LoopOptions(
-                cancel_check_interval_s=self.options["cancel_check_interval_ms"] / 1000.0,
-                metrics_interval_s=self.options["metrics_interval_ms"] / 1000.0,
-                stream_interval=stream_interval(self.options),
-                nonstream_probe_interval_s=max(probe_ms, 0.0) / 1000.0,
-                max_inflight=max_inflight(self.options["detok_max_inflight"], model_dir, send_order, ordered_budget),
-                inflight_budget=ordered_budget,
-                sender_threads=sender_threads(self.options),
-                send_order=send_order,
-                route_tag=route_tag(),
-            ),
+            loop_options(serving, model_dir, instances),
             TritonMetrics(pb_utils, labels),
             on_device_fatal=self._unload_self,
         )
@@ -254,7 +256,7 @@ class FreetokenModel:
             self.loop.stop(timeout=5.0)
             raise
         log.info("engine ready: %d KV pages of %d tokens", stats.num_total_pages, stats.page_size)
-        if gc_freeze:
+        if serving.gc_freeze:
             freeze_startup_heap(f"{self.model_name} instance")
 
     def _end_engine_process(self) -> None:
@@ -285,7 +287,6 @@ class FreetokenModel:
                 tensors = input_arrays(pb, request, INPUT_NAMES)
                 parsed = parse_request(tensors, self.max_tokens_limit, vocab_size=self.vocab_size,
                                        max_nonstream_tokens=self.max_nonstream_tokens,
-                                       send_unasked_outputs=self.send_unasked_outputs,
                                        parameters=request.parameters(), from_ensemble=from_ensemble(tensors))
             except ValueError as e:
                 self.loop.reject(sender, str(e))

@@ -1,7 +1,7 @@
 """`serve` restarts a dead engine, and gives up (exits non-zero) after a bounded number of restarts.
 
 When the engine dies (its process killed, a sticky CUDA error), the `freetoken` model unloads itself
-with the ensemble (serving/faults.py), so `/v2/health/ready` turns false while the unload runs. Once
+with the ensemble (serving/engine_proc/faults.py), so `/v2/health/ready` turns false while the unload runs. Once
 an unload ends, Triton counts the unloaded models out of its readiness, and the server would say
 ready again with no model to serve. So the launcher watches the engine model's readiness and asks
 Triton to load the ensemble (and with it the engine model) at once: Triton queues that load behind the

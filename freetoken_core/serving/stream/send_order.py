@@ -2,11 +2,11 @@
 
 Why: with several detokenizer instances, two responses of one stream may be detokenized by two
 instances at once, and the later one could reach the client first. Without this module the engine
-keeps one response per stream in flight (the ack, serving/cancel.py), so a stream gets at most one
+keeps one response per stream in flight (the ack, serving/stream/cancel.py), so a stream gets at most one
 response per detokenizer round trip (3-4 ms at 16 streams on the H200) and its tokens merge.
 
 How: the engine gives each acked ensemble stream a slot in a small table in shared memory (a file in
-the engine's private 0700 channel directory, serving/cancel.py) and numbers its responses. A
+the engine's private 0700 channel directory, serving/stream/cancel.py) and numbers its responses. A
 detokenizer instance sends response `seq` of a slot only once the slot says `seq` is next, then
 advances it. Each slot word is (stream tag << 32 | next seq): a reused slot never matches a stale
 stream's responses.

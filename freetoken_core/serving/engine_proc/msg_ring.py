@@ -1,7 +1,7 @@
 """A one-way message ring in shared memory: the engine process's per-step messages to one `freetoken`
 stub without a system call (issue 13, serving parameter `engine_msg_ring_kib`; opt-in, off by default).
 
-Why: the engine process (serving/engine_process.py) sends every step's messages to the stub whose
+Why: the engine process (serving/engine_proc/engine_process.py) sends every step's messages to the stub whose
 requests they are. Over a pipe that is a `write()` that also wakes the stub's sleeping engine thread,
 paid on the engine's own thread, the one the decode rate depends on: on the H200 host ~9-12 us a
 message back to back and ~23-28 us after a 0.7 ms gap (`benchmarks/wake_latency.py`). Here the engine
@@ -35,7 +35,7 @@ import os
 import platform
 import tempfile
 
-from freetoken_core.serving.guard import RUN_SHM_PREFIX_ENV
+from freetoken_core.serving.launch.guard import RUN_SHM_PREFIX_ENV
 
 HEADER = 128  # [0]: bytes written, [8] (byte 64): bytes read
 RECORD_HEADER = 8

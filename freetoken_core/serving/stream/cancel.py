@@ -18,13 +18,13 @@ Why no one else can cancel (issue 14, defect 2):
   grants nothing: the directory is created 0700 by the engine, and an existing one is never reused;
 - the key never reaches a client: the engine adds it only to requests whose `ensemble_key` input
   holds the server's secret, which the ensemble's tokenizer step sends and a direct client cannot
-  (serving/ensemble_secret.py), and the detokenizer has no cancel output.
+  (serving/triton/ensemble_secret.py), and the detokenizer has no cancel output.
 
 Delivery acks (issue 13) use the same directory: every streamed ensemble response carries
 (engine id, request uid, response seq) in its `meta` tensor; the detokenizer, after it has sent a
 response on (decoupled: `send()` returns once the ensemble took it), sends the engine one datagram
 per execute listing what it delivered (`AckSender`). The engine lets a request have only a bounded
-number of responses in the detokenizer's queue (serving/engine_loop.py): that is its flow control
+number of responses in the detokenizer's queue (serving/engine_proc/engine_loop.py): that is its flow control
 (tokens merge while the detokenizer is behind, and only then) and, with several detokenizer
 instances, what keeps a stream's responses in order. A forged ack can only make the engine send a
 response sooner; acks are ints in a fixed format, never parsed as anything else.
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from freetoken_core.serving.send_order import ORDER_FILE, OrderTable
+from freetoken_core.serving.stream.send_order import ORDER_FILE, OrderTable
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class CancelCheckLimiter:
     A request (named by its cancel key) is asked at most every `interval_s`, from the response that
     carries its key after the first one: not on the first response itself, whose latency is the client's time
     to first token (and at one stream part of every request's time); the engine sends the key again
-    one interval later (engine_loop.CANCEL_KEY_INTERVAL_S), so a cancel still reaches the engine within
+    one interval later (stream/state.py CANCEL_KEY_INTERVAL_S), so a cancel still reaches the engine within
     about one interval. Keys not seen for `forget_after_s` are dropped, so the table stays as small as
     the set of live streams.
     """

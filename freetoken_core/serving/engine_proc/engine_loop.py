@@ -3,8 +3,8 @@
 Triton's `execute()` only validates and calls `submit()`; it never waits for the engine. The engine
 thread admits new requests, polls cancellation every `cancel_check_interval_ms` (each poll is an IPC
 round trip to the server), runs `Scheduler.step()` (or takes the steps of the engine process,
-serving/engine_process.py) and hands each step's messages to the sender thread in one item
-(serving/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
+serving/engine_proc/engine_process.py) and hands each step's messages to the sender thread in one item
+(serving/stream/sender.py), so a slow `send()` never stalls a step. The sender merges, paces (the
 detokenizer's acks) and sends.
 
 Every request gets exactly one FINAL flag: with its last tokens, with its error, or alone after a
@@ -21,116 +21,43 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.metrics import EngineMetrics
-from freetoken_core.serving.request import ParsedRequest
-from freetoken_core.serving.cancel import CancelChannel
-from freetoken_core.serving.faults import is_device_fatal
-from freetoken_core.serving.response import build_ensemble_outputs, build_outputs, build_probe
-from freetoken_core.serving.sender import ResponseSender, Transport
+from freetoken_core.serving.engine_proc.loop_options import LoopOptions
+from freetoken_core.serving.triton.metrics import EngineMetrics
+from freetoken_core.serving.triton.request import ParsedRequest
+from freetoken_core.serving.stream.cancel import CancelChannel
+from freetoken_core.serving.engine_proc.faults import is_device_fatal
+from freetoken_core.serving.triton.response import build_probe
+from freetoken_core.serving.stream.sender import ResponseSender, Transport
+from freetoken_core.serving.stream.state import StreamState
 from freetoken_core.tokenizer.detokenize import DetokWindow, window_anchors
 
 log = logging.getLogger(__name__)
 
-# how often a stream's responses carry its cancel key (= CancelCheckLimiter's default interval)
-CANCEL_KEY_INTERVAL_S = 0.2
 
 
-@dataclass
-class LoopOptions:
-    cancel_check_interval_s: float = 0.2
-    metrics_interval_s: float = 0.5
-    idle_wait_s: float = 0.05
-    # streaming: hold a request's tokens until this many are ready (the first token and the last
-    # response go out at once). 1 = a response per engine step; larger values trade streaming
-    # granularity for fewer responses, each of which costs the ensemble a detokenizer execution.
-    stream_interval: int = 1
-    # > 0: probe each non-streaming ensemble request this often (response.build_probe), so that a
-    # gRPC cancel reaches the engine before the request ends
-    nonstream_probe_interval_s: float = 0.0
-    # streamed ensemble responses a request may have sent but not yet acked by the detokenizer
-    # (0 = no flow control). 1 keeps each stream in order across several detokenizer instances.
-    max_inflight: int = 1
-    # until the first ack arrives: an ack this late means the detokenizer sends none (flow control turns off)
-    ack_timeout_s: float = 1.0
-    # once acks are known to arrive: an ack this late counts as lost and its stream goes on (logged). Long,
-    # because a late ack that is waited for keeps order across detokenizer instances, one not waited for
-    # may not; a stream whose ack never comes is cancelled or failed by the other paths long before
-    ack_lost_s: float = 30.0
-    # threads that call transport.send (serving/sender.py SendWorkers); 1 = the sender thread itself
-    sender_threads: int = 1
-    # the detokenizer instances keep each stream's responses in order themselves (serving/send_order.py), so
-    # a stream may have max_inflight responses in flight across several instances, and its last response
-    # never waits for an ack
-    send_order: bool = False
-    # > 0 (with send_order): responses this instance's ordered streams may have unacked together, shared out among
-    # them; a stream's window is max(max_inflight, inflight_budget // its streams in flight) (params.py
-    # detok_inflight_budget)
-    inflight_budget: int = 0
-    # with the engine in its own process (its engine thread runs no steps): a step of at most this many items
-    # is sent on the engine thread itself while the sender thread is idle (ResponseSender.inline_max; 0 = never)
-    inline_send_max: int = 2
-    # what the ensemble's slim responses carry to prove they come from this server (serving/ensemble_secret.py)
-    route_tag: tuple[int, int] = (0, 0)
-
-
-@dataclass
+@dataclass(eq=False)
 class ActiveRequest:
-    handle: Any
-    parsed: ParsedRequest
-    uid: int
-    t_arrival: float  # execute() handed it over
-    t_first: float | None = None  # the engine thread had its first token
-    t_admitted: float = 0.0  # the engine thread took it from the inbox (its wake-up after execute())
-    window: DetokWindow | None = None  # where the detokenizer's context starts (streaming only)
-    output_ids: list[int] = field(default_factory=list)
+    """A request as the engine thread sees it; what the sender thread reads and writes of it is `stream`."""
+
+    stream: StreamState
     # non-streaming requests: everything is sent once, at the end
     held_tokens: list[int] = field(default_factory=list)
     held_logprobs: list[float] = field(default_factory=list)
-    # streaming requests: whether anything went out yet (sender thread)
-    streamed: bool = False
     cancelled: bool = False
-    cancel_key: str = ""  # only for requests from the ensemble (ParsedRequest.from_ensemble)
-    route_tag: tuple[int, int] = (0, 0)  # LoopOptions.route_tag
     last_probe: float = 0.0
-    key_sent_at: float | None = None  # when a response last carried cancel_key (sender thread)
-    # flow control (sender thread): seq of the next acked response; seq -> when it was sent
-    seq: int = 0
-    unacked: dict[int, float] = field(default_factory=dict)
-    order_slot: int | None = None  # its slot in the send-order table (send_order), from its first acked response
-    # send workers (sender_threads > 1): responses handed to this request's worker (sender thread) and
-    # delivered by it (the worker); one writer each
-    handed: int = 0
-    delivered: int = 0
-
-    def outputs(self, msg: DetokenizeMsg, tokens: list[int], logprobs: list[float] | None,
-                context: list[int], prompt_text: str, now: float,
-                ack: tuple[int, int, int] | None = None) -> dict:
-        """This response's tensors: the slim ensemble shape for the ensemble's requests (only what the
-        detokenizer needs for this one response), the full one for direct clients, whose outputs stay
-        as config.pbtxt lists them. The cancel key rides on the first response and then once per
-        CANCEL_KEY_INTERVAL_S: the detokenizer asks Triton about a cancel only that often anyway."""
-        if not self.cancel_key:
-            return build_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, "",
-                                 self.parsed.omit_outputs)
-        key = ""
-        if self.key_sent_at is None or now - self.key_sent_at >= CANCEL_KEY_INTERVAL_S:
-            key, self.key_sent_at = self.cancel_key, now
-        return build_ensemble_outputs(msg, tokens, logprobs, context, prompt_text, self.parsed.detok_params, key,
-                                      self.parsed.omit_outputs, ack, self.order_slot, self.parsed.return_logprobs,
-                                      self.route_tag)
 
 
 class EngineLoop:
     def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
                  metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None) -> None:
         self.sched = scheduler
-        # called once (from the engine thread) when the device became unusable (serving/faults.py)
+        # called once (from the engine thread) when the device became unusable (serving/engine_proc/faults.py)
         self.on_device_fatal = on_device_fatal
         self.dead: str | None = None  # why this engine can serve no more (set once, never cleared)
         self.transport = transport
         self.opt = options or LoopOptions()
         self.metrics = metrics or EngineMetrics()
-        # the engine runs in another process (serving/engine_process.py EngineClient): its add_request may be called
+        # the engine runs in another process (serving/engine_proc/engine_process.py EngineClient): its add_request may be called
         # from execute()'s thread, and this loop's engine thread only collects the messages it sends
         self._remote = bool(getattr(scheduler, "remote", False))
         # (handle, request, when execute() handed it over, its uid when execute()'s thread already added it)
@@ -244,7 +171,7 @@ class EngineLoop:
 
     def _on_step_failure(self, e: Exception) -> list[DetokenizeMsg]:
         """A step fault fails the requests of the step(s) in flight, and the engine serves on; a
-        device fault (sticky CUDA error) fails everything and ends this engine (serving/faults.py)."""
+        device fault (sticky CUDA error) fails everything and ends this engine (serving/engine_proc/faults.py)."""
         what = f"{type(e).__name__}: {e}"
         if not is_device_fatal(e):
             log.exception("engine step failed: failing the requests of the step(s) in flight")
@@ -291,9 +218,9 @@ class EngineLoop:
                 continue
             window = DetokWindow(self._anchors, window_anchors(parsed.params.stop)) if parsed.stream else None
             key = self._cancel_channel.register(uid) if parsed.from_ensemble else ""
-            self._active[uid] = ActiveRequest(handle, parsed, uid, t_arrival, window=window, cancel_key=key,
-                                              last_probe=t_arrival, t_admitted=t_admitted,
-                                              route_tag=self.opt.route_tag)
+            stream = StreamState(handle, parsed, uid, t_arrival, window=window, cancel_key=key, t_admitted=t_admitted,
+                                 route_tag=self.opt.route_tag)
+            self._active[uid] = ActiveRequest(stream, last_probe=t_arrival)
             self.metrics.add_prompt_tokens(len(parsed.input_ids))
 
     def _abort_gone(self) -> None:
@@ -308,7 +235,7 @@ class EngineLoop:
         if not gone and not cancelled:
             return
         for uid, st in list(self._active.items()):
-            if (uid in cancelled or id(st.handle) in gone) and not st.cancelled:
+            if (uid in cancelled or id(st.stream.handle) in gone) and not st.cancelled:
                 st.cancelled = True
                 self.sched.abort(uid)
 
@@ -317,7 +244,7 @@ class EngineLoop:
             if st.cancelled:
                 continue
             try:
-                cancelled = self.transport.is_cancelled(st.handle)
+                cancelled = self.transport.is_cancelled(st.stream.handle)
             except Exception:  # the sender is gone (client disconnected): same as a cancel
                 cancelled = True
             if cancelled:
@@ -327,11 +254,11 @@ class EngineLoop:
     def _send_probes(self, now: float) -> None:
         out = []
         for st in self._active.values():
-            if st.parsed.stream or not st.cancel_key or st.cancelled:
+            if st.stream.parsed.stream or not st.stream.cancel_key or st.cancelled:
                 continue  # streams reach the detokenizer anyway; direct clients would see a probe
             if now - st.last_probe >= self.opt.nonstream_probe_interval_s:
                 st.last_probe = now
-                out.append((st.handle, build_probe(st.cancel_key), None, False, None))
+                out.append((st.stream.handle, build_probe(st.stream.cancel_key), None, False, None))
         if out:
             self._post(out)
 
@@ -349,37 +276,37 @@ class EngineLoop:
             st = self._active.get(msg.uid)
             if st is None:
                 return
-        if msg.next_tokens and st.t_first is None:
-            st.t_first = now
-            self.metrics.observe_ttft(now - st.t_arrival)
+        if msg.next_tokens and st.stream.t_first is None:
+            st.stream.t_first = now
+            self.metrics.observe_ttft(now - st.stream.t_arrival)
         self.metrics.add_generated_tokens(len(msg.next_tokens))
         if msg.finished:
             del self._active[msg.uid]
-            self._cancel_channel.unregister(st.cancel_key)
+            self._cancel_channel.unregister(st.stream.cancel_key)
             self.metrics.count_finish(msg.finish_reason or "stop")
             n_out = msg.num_output_tokens
-            if st.t_first is not None and n_out > 1:
-                self.metrics.observe_tpot((now - st.t_first) / (n_out - 1))
+            if st.stream.t_first is not None and n_out > 1:
+                self.metrics.observe_tpot((now - st.stream.t_first) / (n_out - 1))
         if st.cancelled and msg.finished:
-            out.append((st.handle, None, None, True, st))  # the FINAL flag alone
+            out.append((st.stream.handle, None, None, True, st.stream))  # the FINAL flag alone
             return
         if msg.finish_reason == "error" or msg.error:
-            out.append((st.handle, None, msg.error or "the engine failed this request", True, st))
+            out.append((st.stream.handle, None, msg.error or "the engine failed this request", True, st.stream))
             return
         if msg.finish_reason == "abort":
-            out.append((st.handle, None, "the request was aborted", True, st))
+            out.append((st.stream.handle, None, "the request was aborted", True, st.stream))
             return
-        if st.parsed.stream:
-            out.append((st, msg))  # built by the sender thread, which merges what waits for a request
+        if st.stream.parsed.stream:
+            out.append((st.stream, msg))  # built by the sender thread, which merges what waits for a request
             return
-        st.output_ids.extend(msg.next_tokens)
+        st.stream.output_ids.extend(msg.next_tokens)
         st.held_tokens.extend(msg.next_tokens)
         if msg.logprobs:
             st.held_logprobs.extend(msg.logprobs)
         if msg.finished:
-            outputs = st.outputs(msg, st.held_tokens, st.held_logprobs if st.parsed.return_logprobs else None,
-                                 [], st.parsed.prompt_text, now)
-            out.append((st.handle, outputs, None, True, st))
+            outputs = st.stream.outputs(msg, st.held_tokens, st.held_logprobs if st.stream.parsed.return_logprobs else None,
+                                 [], st.stream.parsed.prompt_text, now)
+            out.append((st.stream.handle, outputs, None, True, st.stream))
 
     def _fail_all(self, error: str) -> None:
         for uid, st in list(self._active.items()):
@@ -388,8 +315,8 @@ class EngineLoop:
             except Exception:
                 log.exception("abort(%d) failed", uid)
             self.metrics.count_finish("error")
-            self._cancel_channel.unregister(st.cancel_key)
-            self._post([(st.handle, None, error, True, st)])
+            self._cancel_channel.unregister(st.stream.cancel_key)
+            self._post([(st.stream.handle, None, error, True, st)])
         self._active.clear()
         # abort() queues final messages; drain them so the scheduler holds nothing for gone requests
         try:

@@ -1,17 +1,17 @@
 """The `freetoken` model's sender thread: every response goes out here, in order per request.
 
-The engine thread (serving/engine_loop.py) hands over each engine step's messages as one outbox item
+The engine thread (serving/engine_proc/engine_loop.py) hands over each engine step's messages as one outbox item
 (the least Python per response on the thread the engine's speed depends on); this thread builds and
 sends them. Streamed messages of a request that wait (the transport was busy, stream_interval, or the
 flow control's ack) go out merged into one response (all their next_tokens).
 
 Flow control (issue 13): a streamed ensemble response is acked by the detokenizer once it went on
-(serving/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
+(serving/stream/cancel.py). A stream may have at most `max_inflight` responses not yet acked; its next
 tokens wait meanwhile and go out merged in one response as soon as the ack comes. So while the
 detokenizer keeps up every step's tokens get their own response (stream_interval = 1), and only while
 it is behind do steps merge; the first token never waits. With one in flight per stream, a stream's
 responses also stay in order across several detokenizer instances (each acks only after its send
-returned). With `send_order` the instances keep that order themselves (serving/send_order.py): the
+returned). With `send_order` the instances keep that order themselves (serving/stream/send_order.py): the
 sender gives each acked stream a slot of the order table and numbers all its responses, the last one
 too, so a stream may have max_inflight in flight and its last response never waits for an ack.
 
@@ -33,15 +33,15 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from freetoken_core.messages import DetokenizeMsg
-from freetoken_core.serving.cancel import CancelChannel
+from freetoken_core.serving.stream.cancel import CancelChannel
 from freetoken_core.serving.report import REPORT_INTERVAL_S, percentile
-from freetoken_core.serving.send_order import SlotAllocator
+from freetoken_core.serving.engine_proc.loop_options import LoopOptions
+from freetoken_core.serving.stream.send_order import SlotAllocator
+from freetoken_core.serving.stream.state import StreamState
 
-if TYPE_CHECKING:
-    from freetoken_core.serving.engine_loop import ActiveRequest, LoopOptions
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class SendWorkers:
     response (python_backend's ResponseSender::Send: one IPC round trip to a server thread per
     response), so one thread has at most one response in flight. Several workers keep several in
     flight. A request always goes to the same worker (by its handle), so its responses stay in order;
-    its next streamed response waits until the last one was delivered (`ActiveRequest.handed` /
+    its next streamed response waits until the last one was delivered (`StreamState.handed` /
     `delivered`), so a backlog merges into fewer responses instead of piling up in a queue."""
 
     def __init__(self, count: int, deliver: Callable[[tuple], None]) -> None:
@@ -144,7 +144,7 @@ class ResponseSender:
     way; under load this thread is rarely idle and the posts queue as before. Only for a posting thread that
     can afford a send() (the engine process's instance: its engine thread runs no steps)."""
 
-    def __init__(self, transport: Transport, options: "LoopOptions", cancel_channel: CancelChannel,
+    def __init__(self, transport: Transport, options: LoopOptions, cancel_channel: CancelChannel,
                  on_undeliverable: Callable[[Any], None], inline_max: int = 0,
                  active_requests: Callable[[], int] | None = None) -> None:
         self.transport = transport
@@ -155,7 +155,7 @@ class ResponseSender:
         # held by whichever thread builds and sends: this one between its waits, or a poster sending inline
         self._lock = threading.Lock()
         # streamed messages that wait (uid -> the request and its messages, in order)
-        self._waiting: dict[int, tuple[ActiveRequest, list[DetokenizeMsg]]] = {}
+        self._waiting: dict[int, tuple[StreamState, list[DetokenizeMsg]]] = {}
         self._stopping = False
         self.inline_posts = 0  # how many posts went out on the posting thread (tests, the report)
         self._cancel_channel = cancel_channel
@@ -166,7 +166,7 @@ class ResponseSender:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         # streams that wait for acks (masked uid -> request); whether acks come at all
-        self._acked_streams: dict[int, ActiveRequest] = {}
+        self._acked_streams: dict[int, StreamState] = {}
         self._acks_seen = False
         # send_order: slots of the order table; finished streams' slots wait here (masked uid -> slot, the
         # seq of their last response or -1 when none goes through the detokenizer, since when) until that
@@ -311,7 +311,7 @@ class ResponseSender:
             st, msgs = waiting.pop(uid)
             self._send_stream(st, msgs, direct)
 
-    def _may_send(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], now: float) -> bool:
+    def _may_send(self, st: StreamState, msgs: list[DetokenizeMsg], now: float) -> bool:
         if st.handed != st.delivered:  # a send worker still has this request's previous response
             return False
         finished = msgs[-1].finished
@@ -366,7 +366,7 @@ class ResponseSender:
                         del self._retiring[acks[i]]
                         self._slots.give_back(gone[0])
 
-    def _retire(self, st: "ActiveRequest", last_seq: int) -> None:
+    def _retire(self, st: StreamState, last_seq: int) -> None:
         """A finished stream's slot waits for its last response's ack (last_seq), or, when no response of
         it goes through the detokenizer any more (-1: an error, an abort), for a short grace."""
         if st.order_slot is not None:
@@ -379,7 +379,7 @@ class ResponseSender:
                 del self._retiring[uid]
                 self._slots.give_back(slot)
 
-    def _send_stream(self, st: "ActiveRequest", msgs: list[DetokenizeMsg], direct: bool = False) -> None:
+    def _send_stream(self, st: StreamState, msgs: list[DetokenizeMsg], direct: bool = False) -> None:
         last = msgs[-1]
         if len(msgs) == 1:
             tokens, logprobs = last.next_tokens, last.logprobs or None
@@ -415,7 +415,7 @@ class ResponseSender:
         self._send(st.handle, outputs, None, last.finished, st, direct)
 
     def _send(self, handle: Any, outputs: dict | None, error: str | None, final: bool,
-              st: "ActiveRequest | None" = None, direct: bool = False) -> None:
+              st: StreamState | None = None, direct: bool = False) -> None:
         """Deliver on this thread (no send workers, or `direct`: nothing of this request is with its worker), else
         hand it to the request's worker."""
         if self._workers is None or direct:

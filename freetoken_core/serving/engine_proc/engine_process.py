@@ -12,7 +12,7 @@ child; a request the child refuses comes back as a message with finish_reason "e
 scheduler's own words. `step()` returns the messages the child produced since the last call (the
 child steps on its own, back to back). Every message keeps its order: one pipe, one reader.
 
-Shared (`share`: serving/engine_share.py): several `freetoken` model instances, one engine. The
+Shared (`share`: serving/engine_proc/engine_share.py): several `freetoken` model instances, one engine. The
 instance that wins the rendezvous starts the child, which also listens on an AF_UNIX socket; the
 others connect there and get the same interface. Each instance's request ids carry its index in the
 low INDEX_BITS, and the child sends each message to the instance whose request it is. An instance
@@ -21,7 +21,7 @@ with an error saying so (not a device fault: nothing unloads).
 
 Faults: a step fault is handled inside the child (Scheduler.fail_step, as in the stub); a device
 fault, a child that fails to start or one that exits, ends this engine: `step()` raises
-`EngineProcessError`, which serving/faults.py counts as device-fatal (every request gets its FINAL
+`EngineProcessError`, which serving/engine_proc/faults.py counts as device-fatal (every request gets its FINAL
 error and the model unloads itself).
 """
 
@@ -37,18 +37,19 @@ from typing import Any
 
 from freetoken_core.config import EngineConfig, SamplingParams
 from freetoken_core.messages import DetokenizeMsg, EngineStats
-from freetoken_core.serving.engine_server import ChildOptions, decode, engine_main
-from freetoken_core.serving.engine_share import INDEX_BITS, EngineRendezvous
-from freetoken_core.serving.faults import DeviceFatalError, FaultSpec
-from freetoken_core.serving.msg_ring import RING_POLL_S, MsgRing
-from freetoken_core.serving.spin import SPIN_MAX_ACTIVE, spin_until
+from freetoken_core.serving.engine_proc.engine_server import ChildOptions, engine_main
+from freetoken_core.serving.engine_proc.protocol import (Abort, AddRequest, Bye, Dead, Failed, Ready, Stats, Stop,
+                                                        Stopped, decode)
+from freetoken_core.serving.engine_proc.engine_share import INDEX_BITS, EngineRendezvous
+from freetoken_core.serving.engine_proc.faults import DeviceFatalError, FaultSpec
+from freetoken_core.serving.engine_proc.msg_ring import RING_POLL_S, MsgRing
 from freetoken_core.spawn import spawn_context
 
 log = logging.getLogger(__name__)
 
 STEP_WAIT_S = 0.002  # how long step() waits for the child's next messages before the loop looks around
 MEMBER_READY_TIMEOUT_S = 1800.0  # a member waits this long for the owner's engine build (GGUF conversion...)
-RING_BYTES = 1 << 20  # a shared-memory message ring's size when one is asked for (serving/msg_ring.py)
+RING_BYTES = 1 << 20  # a shared-memory message ring's size when one is asked for (serving/engine_proc/msg_ring.py)
 
 
 class EngineProcessError(DeviceFatalError):
@@ -62,14 +63,11 @@ class EngineClient:
                  step_wait_s: float = STEP_WAIT_S, share: EngineRendezvous | None = None,
                  member_ready_timeout_s: float = MEMBER_READY_TIMEOUT_S, ring_bytes: int = 0,
                  ring_poll_s: float = RING_POLL_S, engine_cpus: frozenset[int] = frozenset(),
-                 idle_spin_s: float = 0.0, gc_freeze: bool = True) -> None:
-        """engine_cpus: the CPUs the child moves onto (serving/cpu_affinity.py; empty = where it is started).
-        gc_freeze: the child freezes its start-up heap (serving/gc_freeze.py).
-        idle_spin_s: how long each side looks for the other's next message before it blocks, while at most
-        SPIN_MAX_ACTIVE requests are in flight (serving/spin.py). The child's options are the owner's: a member of a
-        shared engine joins it as it runs."""
+                 gc_freeze: bool = True) -> None:
+        """engine_cpus: the CPUs the child moves onto (serving/engine_proc/cpu_affinity.py; empty = where it is started).
+        gc_freeze: the child freezes its start-up heap (serving/engine_proc/gc_freeze.py).
+        The child's options are the owner's: a member of a shared engine joins it as it runs."""
         self.step_wait_s = step_wait_s
-        self.idle_spin_s = idle_spin_s
         self.ring_poll_s = ring_poll_s
         self._ring: MsgRing | None = None  # the step messages' ring, when the engine made one for this instance
         self._uids = 0
@@ -84,7 +82,7 @@ class EngineClient:
         self._index = 0
         self._uid_shift = INDEX_BITS if share is not None else 0
         if share is None or share.elect():
-            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, idle_spin_s, gc_freeze))
+            self._start_child(config, faults, share, ChildOptions(ring_bytes, engine_cpus, gc_freeze))
         else:
             self._connect(share, member_ready_timeout_s)
 
@@ -103,11 +101,11 @@ class EngineClient:
         self._proc.start()
         self._cmd_r.close()
         self._out_w.close()
-        kind, info = self._wait_ready()
-        if kind != "ready":
+        ready = self._wait_ready()
+        if not isinstance(ready, Ready):
             self.close()
-            raise RuntimeError(f"the engine process failed to start: {info}")
-        self._ready(info)
+            raise RuntimeError(f"the engine process failed to start: {ready.reason}")
+        self._ready(ready)
         if share is not None:
             share.publish_ready()
         log.info("engine process %d ready%s%s", self._proc.pid, f" (shared at {share.dir})" if share else "",
@@ -118,35 +116,34 @@ class EngineClient:
         authkey = share.wait_ready(timeout_s)
         conn = Client(share.address, family="AF_UNIX", authkey=authkey)
         self._cmd_w = self._out_r = conn
-        kind, info = self._wait_ready()
-        if kind != "ready":
+        ready = self._wait_ready()
+        if not isinstance(ready, Ready):
             self._closed = True
             conn.close()
-            raise RuntimeError(f"could not join the shared engine at {share.dir}: {info}")
-        self._index = info["index"]
-        self._ready(info)
+            raise RuntimeError(f"could not join the shared engine at {share.dir}: {ready.reason}")
+        self._index = ready.index
+        self._ready(ready)
         log.info("joined the shared engine at %s as instance %d%s", share.dir, self._index, self._ring_note())
 
     def _ring_note(self) -> str:
         return "; step messages through a shared-memory ring" if self._ring is not None else ""
 
-    def _ready(self, info: dict) -> None:
-        if info.get("ring"):
-            self._ring = MsgRing.attach(info["ring"])
-        self._stats: EngineStats = info["stats"]
-        anchors = info["anchors"]
-        self.tokenizer = SimpleNamespace(anchors=anchors) if anchors is not None else None
-        self.max_req_len: int = info["max_req_len"]
+    def _ready(self, ready: Ready) -> None:
+        if ready.ring:
+            self._ring = MsgRing.attach(ready.ring)
+        self._stats: EngineStats = ready.stats
+        self.tokenizer = SimpleNamespace(anchors=ready.anchors) if ready.anchors is not None else None
+        self.max_req_len: int = ready.max_req_len
 
-    def _wait_ready(self) -> tuple[str, Any]:
+    def _wait_ready(self) -> Ready | Failed:
         # the engine build may take minutes (GGUF conversion, graph capture); Triton's load timeout bounds it
         try:
             while not self._out_r.poll(1.0):
                 if self._proc is not None and not self._proc.is_alive():
-                    return "failed", f"it exited with code {self._proc.exitcode} before it was ready"
+                    return Failed(f"it exited with code {self._proc.exitcode} before it was ready")
             return self._out_r.recv()
         except (EOFError, OSError):
-            return "failed", self._exit_text("before it was ready")
+            return Failed(self._exit_text("before it was ready"))
 
     def _exit_text(self, when: str) -> str:
         if self._proc is None:
@@ -155,7 +152,7 @@ class EngineClient:
         return f"the engine process exited (code {self._proc.exitcode}) {when}"
 
     # --- the Scheduler's interface -----------------------------------------------------------
-    # add_request may come from another thread than the rest (serving/engine_loop.py: execute()'s, so that a
+    # add_request may come from another thread than the rest (serving/engine_proc/engine_loop.py: execute()'s, so that a
     # request goes to the engine without waiting for the engine thread's wake-up); the rest is one thread's
     remote = True
 
@@ -168,14 +165,14 @@ class EngineClient:
                 self._early.append(DetokenizeMsg.failed(uid, self._stopped))
                 return uid
             self._outstanding.add(uid)
-            self._command(("add", uid, list(input_ids), cmd_params))
+            self._command(AddRequest(uid, list(input_ids), cmd_params))
         return uid
 
     def abort(self, uid: int) -> bool:
         if uid not in self._outstanding:
             return False
         with self._lock:
-            self._command(("abort", uid))
+            self._command(Abort(uid))
         return True
 
     def has_work(self) -> bool:
@@ -193,11 +190,6 @@ class EngineClient:
         """Requests in the engine, every instance's, as its latest snapshot said (at most STATS_INTERVAL_S old while
         it is busy)."""
         return self._stats.num_running + self._stats.num_waiting
-
-    def _few_in_flight(self) -> bool:
-        """Whether to spin for the engine's next message (serving/spin.py): this instance's requests and the
-        engine's whole load both at most SPIN_MAX_ACTIVE."""
-        return len(self._outstanding) <= SPIN_MAX_ACTIVE and self.engine_load <= SPIN_MAX_ACTIVE
 
     def stats(self) -> EngineStats:
         """The child's latest snapshot (sent every STATS_INTERVAL_S while busy and when it goes idle).
@@ -229,22 +221,19 @@ class EngineClient:
                         time.sleep(self.ring_poll_s)
                         self._take_ring(msgs)
                     wait_s = 0.0
-            elif wait_s > 0 and self.idle_spin_s > 0 and self._few_in_flight():
-                spun = min(self.idle_spin_s, wait_s)
-                wait_s = 0.0 if spin_until(self._out_r.poll, spun) else wait_s - spun
             ready = self._out_r.poll(wait_s)
             while ready:
-                kind, payload = self._out_r.recv()
+                event = self._out_r.recv()
                 self._take_ring(msgs)  # what the engine put in the ring before this comes first
-                if kind == "msgs":
-                    self._add_msgs(payload, msgs)
-                elif kind == "stats":
-                    self._stats = payload
-                elif kind == "dead":
-                    self._dead = payload
+                if isinstance(event, list):  # a StepBatch
+                    self._add_msgs(event, msgs)
+                elif isinstance(event, Stats):
+                    self._stats = event.stats
+                elif isinstance(event, Dead):
+                    self._dead = event.reason
                     break
-                elif kind == "stopped":  # a member: the owner stopped the engine
-                    msgs += self._end_outstanding(payload)
+                elif isinstance(event, Stopped):  # a member: the owner stopped the engine
+                    msgs += self._end_outstanding(event.reason)
                     break
                 ready = self._out_r.poll()
         except (EOFError, OSError):
@@ -282,7 +271,7 @@ class EngineClient:
                 return
             self._closed = True
             try:
-                self._cmd_w.send(("stop",) if self._proc is not None else ("bye",))
+                self._cmd_w.send(Stop() if self._proc is not None else Bye())
             except (OSError, ValueError):
                 pass
         if self._ring is not None:  # the step messages still in it are for requests nobody waits for now
@@ -301,7 +290,7 @@ class EngineClient:
         if self._share is not None:  # after the child: its listener's socket lives there
             self._share.remove()
 
-    def _command(self, cmd: tuple) -> None:
+    def _command(self, cmd: AddRequest | Abort) -> None:
         if self._dead is not None or self._closed or self._stopped is not None:
             return  # its final error reaches the client through the dead engine's _fail_all
         try:

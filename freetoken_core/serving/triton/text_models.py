@@ -12,11 +12,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from freetoken_core.serving.cancel import notify_cancel
-from freetoken_core.serving.ensemble_secret import ensemble_secret, route_tag
-from freetoken_core.serving.chat import parse_chat_messages
-from freetoken_core.serving.response import META_LOGPROBS, META_OMIT, EnsembleMeta, read_ensemble_meta
-from freetoken_core.serving.request import _scalar, _strings, _text, check_request_parameters, parse_detok_params
+from freetoken_core.serving.stream.cancel import notify_cancel
+from freetoken_core.serving.triton.ensemble_secret import ensemble_secret, route_tag
+from freetoken_core.serving.triton.chat import parse_chat_messages
+from freetoken_core.serving.triton.response import META_LOGPROBS, META_OMIT, EnsembleMeta, read_ensemble_meta
+from freetoken_core.serving.triton.request import _scalar, _strings, _text, check_request_parameters, parse_detok_params
 from freetoken_core.tokenizer.detokenize import decode_step
 from freetoken_core.tokenizer.tokenize import Tokenizer
 
@@ -60,7 +60,7 @@ def tokenize_request(tok: Tokenizer, tensors: Mapping[str, np.ndarray], paramete
         "input_ids": np.asarray(ids, dtype=np.int32),
         "stop_token_ids": np.asarray(stop_ids, dtype=np.int32),
         # proves to the engine that this request comes through the ensemble, whose detokenizer forwards
-        # cancels (serving/cancel.py); clients calling `freetoken` directly never get a cancel key
+        # cancels (serving/stream/cancel.py); clients calling `freetoken` directly never get a cancel key
         "ensemble_key": np.array([ensemble_secret().encode()], dtype=np.object_),
         # and that its detokenizer acks each streamed response (the engine's flow control)
         "detok_acks": np.array([True]),
@@ -85,7 +85,7 @@ def ensemble_meta_of(tensors: Mapping[str, np.ndarray]) -> EnsembleMeta | None:
 
 def check_route(meta: EnsembleMeta | None) -> EnsembleMeta | None:
     """A slim response must carry this server's route tag before the detokenizer waits in an order table or acks
-    anything for it: a client calling the detokenizer directly is refused at once (serving/ensemble_secret.py)."""
+    anything for it: a client calling the detokenizer directly is refused at once (serving/triton/ensemble_secret.py)."""
     if meta is not None and meta.route_tag != route_tag():
         raise ValueError("meta is internal to the ensemble: this response was not made by this server's engine")
     return meta
@@ -99,13 +99,13 @@ def ack_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int] | None:
 
 def order_of(tensors: Mapping[str, np.ndarray]) -> tuple[int, int, int, int] | None:
     """(engine id, slot, uid, seq) of a response that must follow its stream's previous one across
-    detokenizer instances (serving/send_order.py), or None."""
+    detokenizer instances (serving/stream/send_order.py), or None."""
     m = ensemble_meta_of(tensors)
     return None if m is None else m.order
 
 
 def forward_cancel(key: str) -> bool:
-    """A detokenizer request that Triton marks cancelled: tell the engine (serving/cancel.py)."""
+    """A detokenizer request that Triton marks cancelled: tell the engine (serving/stream/cancel.py)."""
     return bool(key) and notify_cancel(key)
 
 
