@@ -99,6 +99,10 @@ class HybridCacheManager(CacheManager):
         return super().num_cached_pages + len(self._tails)
 
     @property
+    def num_cached_snapshots(self) -> int:
+        return len(self._holders) + len(self._tails)
+
+    @property
     def num_free_snapshots(self) -> int:
         """Free snapshot slots plus cached ones (never locked: all evictable); running requests' taken ones not."""
         return self.snapshots.num_slots - sum(len(t) for t in self._taken.values())

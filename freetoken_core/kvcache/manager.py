@@ -176,6 +176,17 @@ class CacheManager:
     def after_chunk(self, req: Req) -> None:
         """After a prefill chunk of `req` was launched (hybrid models snapshot their states here)."""
 
+    def prefix_stats(self) -> dict[str, int]:
+        """The EngineStats fields of the prefix cache."""
+        if self.prefix is None:
+            return {}
+        return dict(prefix_query_tokens_total=self.prefix.query_tokens, prefix_hit_tokens_total=self.prefix.hit_tokens,
+                    prefix_cached_pages=self.num_cached_pages, prefix_cached_snapshots=self.num_cached_snapshots)
+
+    @property
+    def num_cached_snapshots(self) -> int:
+        return 0
+
     def count_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
         if self.prefix is not None:
             self.prefix.query_tokens += prompt_tokens

@@ -169,6 +169,7 @@ class Scheduler:
             generated_tokens_total=self.generated_tokens_total,
             # offloaded MoE experts: slot hit rate, bytes copied per token, misses per layer
             extra={"moe": self.engine.moe_stats()} if getattr(self.engine, "moe_executors", None) else {},
+            **self.cache.prefix_stats(),
         )
 
     def fail_step(self, error: str) -> list[DetokenizeMsg]:
