@@ -41,6 +41,30 @@ def assert_later_turns_hit(turns: list[list[RequestOutput]], page_size: int) -> 
             assert cur.num_cached_tokens >= want, f"turn {t + 1}: {cur.num_cached_tokens} cached, want >= {want}"
 
 
+def random_traffic(llm: LLM, vocab: tuple[int, int], steps: int = 160, seed: int = 7) -> None:
+    """Requests over a few shared prefixes arrive and are aborted at random; the cache's invariants are checked
+    after every step; every request ends with exactly one final message; at the end everything is back."""
+    rng = random.Random(seed)
+    sched, cache = llm.scheduler, llm.scheduler.cache
+    lo, hi = vocab
+    prefixes = [[rng.randrange(lo, hi) for _ in range(24)] for _ in range(3)]
+    finals = submitted = 0
+    for step in range(steps):
+        if rng.random() < 0.4 and step < steps * 3 // 4:
+            prompt = rng.choice(prefixes)[: rng.randrange(4, 24)] + [rng.randrange(lo, hi)] * rng.randrange(1, 6)
+            sched.add_request(prompt, SamplingParams(max_tokens=rng.randrange(1, 10), ignore_eos=True))
+            submitted += 1
+        if rng.random() < 0.15 and sched.running + list(sched.waiting):
+            sched.abort(rng.choice(sched.running + list(sched.waiting)).uid)
+        finals += sum(m.finished for m in sched.step())
+        cache.check()
+    while sched.has_work():
+        finals += sum(m.finished for m in sched.step())
+        cache.check()
+    assert finals == submitted
+    assert_all_back(llm)
+
+
 def assert_all_back(llm: LLM) -> None:
     """Accounting: free pages + evictable cached pages == the pool, the trie and the rows agree."""
     cache = llm.scheduler.cache

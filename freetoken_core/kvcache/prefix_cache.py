@@ -123,6 +123,10 @@ class PrefixCache:
         if node.parent is None or node.ref or node.children or node.tails:
             return
         heapq.heappush(self._leaves, (node.last_access, next(self._tiebreak), node))
+        if len(self._leaves) > 4 * self.num_nodes + 1024:  # stale entries of touched nodes: rebuild
+            self._leaves = [(n.last_access, next(self._tiebreak), n) for n in self.nodes()
+                            if not (n.ref or n.children or n.tails)]
+            heapq.heapify(self._leaves)
 
     def evict(self, num_pages: int) -> tuple[list[int], list[int]]:
         """Remove up to `num_pages` unlocked nodes, least recently used leaves first. Returns (their pages,

@@ -10,7 +10,7 @@ import pytest
 from freetoken_core import LLM, SamplingParams
 from freetoken_core.kvcache.hybrid import HybridCacheManager
 from tests.models.hybrid_checkpoints import VOCAB, make_tiny_hybrid
-from tests.prefix_chat import assert_all_back, assert_later_turns_hit, run_chats, token_ids
+from tests.prefix_chat import assert_all_back, assert_later_turns_hit, random_traffic, run_chats, token_ids
 
 STATE_GB = 0.01  # the default (10% of these tiny K/V pools) holds no snapshot of even a tiny model
 CHAT = dict(num_convs=4, num_turns=3, system_len=64, new_len=5, max_tokens=6, vocab=(3, VOCAB))
@@ -92,3 +92,13 @@ def test_periodic_snapshots(hybrid):
     periodic = [n for n in llm.scheduler.cache.prefix.nodes() if n.snapshot >= 0 and n.snapshot_periodic]
     assert periodic
     _snapshots_back(llm)
+
+
+def test_random_arrivals_and_aborts_keep_invariants(hybrid):
+    """Random traffic with page and snapshot eviction: pages, tails and snapshot slots each have one owner after
+    every step; all come back."""
+    llm = LLM(hybrid, dtype="float32", page_size=2, num_pages=48, max_running_req=4, max_extend_tokens=10,
+              prefix_cache_state_gb=STATE_GB / 100, prefix_cache_state_interval=8)
+    random_traffic(llm, (3, VOCAB))
+    _snapshots_back(llm)
+    assert llm.scheduler.cache.prefix.hit_tokens > 0

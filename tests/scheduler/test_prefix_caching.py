@@ -9,7 +9,7 @@ import pytest
 
 from freetoken_core import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB, make_tiny_model
-from tests.prefix_chat import assert_all_back, assert_later_turns_hit, run_chats, token_ids
+from tests.prefix_chat import assert_all_back, assert_later_turns_hit, random_traffic, run_chats, token_ids
 
 CHAT = dict(num_convs=4, num_turns=3, system_len=21, new_len=5, max_tokens=7, vocab=(3, TINY_VOCAB))
 
@@ -99,3 +99,13 @@ def test_cache_off_keeps_nothing(llama):
     llm = LLM(llama, dtype="float32", page_size=4, num_pages=64, enable_prefix_caching=False)
     llm.generate([list(range(3, 30))], SamplingParams(max_tokens=4))
     assert llm.scheduler.cache.prefix is None and llm.scheduler.cache.num_cached_pages == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_random_arrivals_and_aborts_keep_invariants(llama, overlap):
+    """Random arrivals over shared prefixes and random aborts in a pool that evicts and retracts; the cache's
+    ownership checks after every step, free + evictable == the pool at the end."""
+    llm = LLM(llama, dtype="float32", page_size=2, num_pages=48, max_running_req=4, max_extend_tokens=10,
+              overlap_schedule=overlap)
+    random_traffic(llm, (3, TINY_VOCAB))
+    assert llm.scheduler.cache.prefix.hit_tokens > 0 and llm.scheduler.cache.prefix.evicted_pages > 0
