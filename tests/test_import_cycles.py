@@ -113,7 +113,7 @@ def test_type_checking_imports_and_relative_imports(tmp_path, monkeypatch):
 @pytest.mark.parametrize("subpackage", [
     "serving",
     "scheduler",
-    pytest.param("layers", marks=pytest.mark.xfail(strict=True, reason="fixed on branch core53")),
+    "layers",
 ])
 def test_no_import_cycle(subpackage):
     cycle = find_cycle(import_graph(subpackage))
