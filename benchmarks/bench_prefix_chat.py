@@ -2,6 +2,7 @@
 
     python benchmarks/bench_prefix_chat.py [--model DIR] [--load-format dummy] [--conversations 64] [--turns 6]
         [--system-len 2000] [--user-len 100] [--max-tokens 128] [--device auto] [--dtype auto]
+    python benchmarks/bench_prefix_chat.py --shape llama-3.2-1b --load-format dummy   (GPU, random weights)
     python benchmarks/bench_prefix_chat.py --conversations 4 --turns 3 --system-len 64 --user-len 8 --max-tokens 8
         (CPU, the default SmolLM2)
 
@@ -88,6 +89,7 @@ def run(llm: LLM, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF model dir (default: the SmolLM2 default model)")
+    ap.add_argument("--shape", default=None, help="a bench_decode.py shape (config only; use --load-format dummy)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights from config.json")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
@@ -101,6 +103,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU K/V budget")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.shape is not None:
+        import tempfile
+        from pathlib import Path
+
+        from bench_decode import write_shape  # benchmarks/ is this script's directory
+
+        args.model = str(write_shape(args.shape, Path(tempfile.mkdtemp())))
     if args.model is None:
         from freetoken_core.models.gguf import default_model_path
 
