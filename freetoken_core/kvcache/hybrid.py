@@ -18,7 +18,6 @@ A snapshot is never locked: a request copies it into its own slot at admission a
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +27,6 @@ from .linear_state import LinearStatePool, slot_of_row
 from .manager import CacheManager
 from .pool import KVCache
 from .prefix_cache import PageNode, PrefixCache
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
