@@ -263,9 +263,9 @@ class EngineLoop:
             self._post(out)
 
     def _on_message(self, msg: DetokenizeMsg, out: list[tuple], now: float) -> None:
-        """One step's message for one request -> `out`, the step's list for the sender: (st, msg) for a
+        """One step's message for one request -> `out`, the step's list for the sender: (stream, msg) for a
         streamed message (the sender merges, holds and builds those), else (handle, outputs, error,
-        final, st) for a response as is."""
+        final, stream) for a response as is (stream: the request's StreamState)."""
         st = self._active.get(msg.uid)
         if st is None:
             if not self._remote:
@@ -316,7 +316,7 @@ class EngineLoop:
                 log.exception("abort(%d) failed", uid)
             self.metrics.count_finish("error")
             self._cancel_channel.unregister(st.stream.cancel_key)
-            self._post([(st.stream.handle, None, error, True, st)])
+            self._post([(st.stream.handle, None, error, True, st.stream)])
         self._active.clear()
         # abort() queues final messages; drain them so the scheduler holds nothing for gone requests
         try:
