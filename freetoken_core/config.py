@@ -192,6 +192,13 @@ class EngineConfig:
     # gloo (on CUDA too: ranks share the GPUs there are, collectives staged through host memory; for
     # checking the sharded CUDA path on a one-GPU machine, not for speed)
     tensor_parallel_backend: str = "auto"
+    # reuse the K/V pages (and, on hybrid models, linear-state snapshots) of earlier requests' common prefixes
+    # (kvcache/prefix_cache.py): a chat's next turn or a shared system prompt is not prefilled again
+    enable_prefix_caching: bool = True
+    # hybrid (GDN) models: GiB of linear-state snapshot slots (None: min(4 GiB, 10% of the KV budget)), and
+    # the spacing in tokens of the periodic snapshots taken from chunked prefill of long contexts
+    prefix_cache_state_gb: float | None = None
+    prefix_cache_state_interval: int = 512
 
     def decode_rows(self) -> int:
         """Query rows one request runs per decode step: `decode_rows_per_req`, at least k + 1 under
@@ -239,5 +246,9 @@ class EngineConfig:
                              "use resident (experts sharded over the ranks)")
         if self.linear_state_dtype not in ("float32", "fp32", "bfloat16", "bf16"):
             raise ValueError(f"linear_state_dtype must be float32 or bfloat16, got {self.linear_state_dtype!r}")
+        if self.prefix_cache_state_gb is not None and not self.prefix_cache_state_gb >= 0:
+            raise ValueError(f"prefix_cache_state_gb must be >= 0, got {self.prefix_cache_state_gb}")
+        if self.prefix_cache_state_interval < 1:
+            raise ValueError(f"prefix_cache_state_interval must be >= 1, got {self.prefix_cache_state_interval}")
         if not (0.0 < self.memory_fraction <= 1.0):
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -51,10 +51,18 @@ class Req:
     pending_ids: list[int] = field(default_factory=list)  # the draft tokens of those rows
     spec_accepted: int = 0
     spec_proposed: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at its first admission
 
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def written_len(self) -> int:
+        """Tokens whose K/V this request has written: every launched row (`cached_len`) up to the committed
+        sequence. The last committed token has run only when a step launched before its commit (overlap
+        scheduling) fed it; drafts never count (a verify step leaves cached_len at seq_len - 1)."""
+        return min(self.cached_len, self.seq_len)
 
     @property
     def prompt_len(self) -> int:

@@ -27,6 +27,7 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None = None
     spec_accepted: int = 0  # speculative decoding: accepted draft tokens
     spec_proposed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not prefilled)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -207,6 +208,7 @@ class LLM:
             out.finish_reason = msg.finish_reason
             out.stop_reason = msg.stop_reason
             out.spec_accepted, out.spec_proposed = msg.spec_accepted, msg.spec_proposed
+            out.num_cached_tokens = msg.num_cached_tokens
         out.text += text
         if msg.logprobs is not None:
             out.logprobs = (out.logprobs or []) + msg.logprobs

@@ -19,6 +19,7 @@ class DetokenizeMsg:
     error: str | None = None  # set with finish_reason "error"
     spec_accepted: int = 0  # speculative decoding: draft tokens accepted so far
     spec_proposed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @classmethod
     def failed(cls, uid: int, error: str) -> "DetokenizeMsg":
@@ -38,6 +39,11 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     extra: dict = field(default_factory=dict)
+    # prefix cache: prompt tokens looked up and served (totals), cached pages and snapshot slots (hybrids) in use
+    prefix_query_tokens_total: int = 0
+    prefix_hit_tokens_total: int = 0
+    prefix_cached_pages: int = 0
+    prefix_cached_snapshots: int = 0
 
     @property
     def kv_usage(self) -> float:

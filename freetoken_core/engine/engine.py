@@ -13,7 +13,8 @@ from ..config import PREFILL_GRAPH_MAX_TOKENS_DEFAULT, EngineConfig
 from ..env import kernel_env
 from ..core import Batch, Context, Phase, Req, set_context, to_device
 from ..kvcache.linear_state import STATE_DTYPES, LinearStatePool, LinearStateStep
-from ..kvcache.manager import CacheManager, pages_for
+from ..kvcache.factory import cache_kind, make_cache_manager, plan_snapshots
+from ..kvcache.manager import pages_for
 from ..kvcache.pool import KVCache, KVCacheShape
 from ..layers.gemv_policy import use_gemv_for_all_sizes
 from ..kernels.pdl import device_uses_pdl
@@ -82,8 +83,13 @@ class Engine:
         self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
         self.last_verify_state: LinearStateStep | None = None
         num_pages = self._num_pages(shape, max_running_req)
+        kind = cache_kind(config, self.linear_pool, self.tp is not None)
+        snapshots = 0
+        if kind == "hybrid":  # the prefix cache's linear-state snapshots take their share of the K/V budget
+            snapshots, num_pages = plan_snapshots(config, self.linear_pool, num_pages, shape.bytes_per_page())
         self.kv_cache = KVCache(shape, num_pages, self.device)
-        self.cache = CacheManager(num_pages, config.page_size, max_running_req, self.max_seq_len, self.device)
+        self.cache = make_cache_manager(kind, config, num_pages, max_running_req, self.max_seq_len, self.device,
+                                        self.kv_cache, self.linear_pool, snapshots)
         self.linear_steps = (LinearStateSteps(self.linear_pool, self.cache.dummy_row, self.device)
                              if self.linear_pool is not None else None)
         self.attn_backend: AttnBackend = create_backend(config.attention_backend, layout, self.kv_cache, self.cache.page_table)

@@ -4,6 +4,10 @@ The page table is an int32 [max_running_req + 1, pages_per_row] tensor on the mo
 last row is the dummy row (all DUMMY_PAGE) that CUDA-graph padding uses. A CPU mirror answers the
 scheduler's questions without device syncs; new entries reach the device in one write per step
 (`flush`).
+
+With a `PrefixCache`, a row's first pages may be cached pages it shares (locked nodes, never written:
+they are full pages before the request's first uncached token); the rest are its own. Cached pages no
+request holds count as free (`num_free_pages`): `allocate` evicts them when the free list runs short.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 
 from ..core import Req, to_device
 from .pool import DUMMY_PAGE, PagePool
+from .prefix_cache import PageNode, PrefixCache
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -20,7 +25,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 class CacheManager:
     def __init__(
-        self, num_pages: int, page_size: int, max_running_req: int, max_seq_len: int, device: torch.device
+        self, num_pages: int, page_size: int, max_running_req: int, max_seq_len: int, device: torch.device,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.page_size = page_size
         self.max_seq_len = max_seq_len
@@ -33,6 +39,8 @@ class CacheManager:
         self._table_cpu = torch.full_like(self.page_table, DUMMY_PAGE, device="cpu")
         self._free_rows: list[int] = list(range(max_running_req - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # table row -> its pages in order
+        self.prefix = prefix_cache
+        self._locked: dict[int, list[PageNode]] = {}  # table row -> the cached nodes its first pages are
         # (row, index) -> page, not yet on the device. A dict, not a list: one step may set the same
         # entry twice (rollback then re-allocate, free then a new request in the row), and a CUDA
         # index_put with duplicate indices keeps an arbitrary one of them, not the last.
@@ -45,7 +53,12 @@ class CacheManager:
 
     @property
     def num_free_pages(self) -> int:
-        return self.pool.num_free
+        """Pages an allocation can get: the free list plus cached pages no request holds (evicted on demand)."""
+        return self.pool.num_free + (self.prefix.num_unreferenced if self.prefix is not None else 0)
+
+    @property
+    def num_cached_pages(self) -> int:
+        return self.prefix.num_nodes if self.prefix is not None else 0
 
     @property
     def num_total_pages(self) -> int:
@@ -57,6 +70,38 @@ class CacheManager:
             raise RuntimeError("no free page-table row (max_running_req reached)")
         req.table_row = self._free_rows.pop()
         self._pages[req.table_row] = []
+        self._locked[req.table_row] = []
+
+    def attach_prefix(self, req: Req, max_tokens: int) -> int:
+        """A newly assigned row takes the longest cached prefix of the request's first `max_tokens` tokens
+        (whole pages), locked until the request leaves. Returns the tokens it covers."""
+        if self.prefix is None:
+            return 0
+        row = req.table_row
+        assert not self._pages[row], f"request {req.uid} already has pages"
+        match = self.prefix.match(req.token_slice(0, max_tokens))
+        self.prefix.lock(match.nodes)
+        self._locked[row] = list(match.nodes)
+        self._set_pages(row, 0, match.pages)
+        self._pages[row].extend(match.pages)
+        return len(match.nodes) * self.page_size
+
+    def _set_pages(self, row: int, start: int, pages: list[int]) -> None:
+        for i, p in enumerate(pages):
+            self._table_cpu[row, start + i] = p
+            self._dirty[(row, start + i)] = p
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.pool.num_free
+        if short > 0 and self.prefix is not None:
+            pages, snapshots = self.prefix.evict(short)
+            self.pool.free(pages)
+            self._on_evicted_snapshots(snapshots)
+        return self.pool.alloc(n)
+
+    def _on_evicted_snapshots(self, slots: list[int]) -> None:
+        """Hook for the hybrid cache's snapshot pool (kvcache/hybrid.py)."""
+        assert not slots, "snapshot slots without a snapshot pool"
 
     # --- pages ------------------------------------------------------------------------------
     def pages_needed(self, req: Req, num_tokens: int) -> int:
@@ -82,17 +127,16 @@ class CacheManager:
         n_new = pages_for(num_tokens, self.page_size) - len(pages)
         if n_new <= 0:
             return
-        new = self.pool.alloc(n_new)
-        start = len(pages)
+        new = self._alloc(n_new)
+        self._set_pages(req.table_row, len(pages), new)
         pages.extend(new)
-        for i, p in enumerate(new):
-            self._table_cpu[req.table_row, start + i] = p
-            self._dirty[(req.table_row, start + i)] = p
 
     def rollback_tail(self, req: Req, keep_tokens: int) -> None:
         """Free the pages past the first `keep_tokens` tokens (speculative rows not committed)."""
         pages = self._pages[req.table_row]
         keep = pages_for(keep_tokens, self.page_size)
+        if keep < len(self._locked[req.table_row]):
+            raise AssertionError(f"request {req.uid}: rollback to {keep_tokens} tokens would free a shared page")
         if keep >= len(pages):
             return
         tail = pages[keep:]
@@ -102,21 +146,78 @@ class CacheManager:
             self._table_cpu[req.table_row, i] = DUMMY_PAGE
             self._dirty[(req.table_row, i)] = DUMMY_PAGE
 
-    def free(self, req: Req) -> None:
-        """Give back every page and the row of a finished or aborted request."""
+    def free(self, req: Req, cache_tokens: int = 0, state_at: int = -1) -> None:
+        """Give back every page and the row of a finished, aborted or retracted request. With a prefix cache,
+        the full pages of its first `cache_tokens` tokens (K/V written) are cached instead of freed.
+        `state_at`: hybrid models, the position its linear states are at (-1: unknown)."""
         if req.table_row < 0:
             return
         row = req.table_row
         pages = self._pages.pop(row)
-        self.pool.free(pages)
+        locked = self._locked.pop(row)
+        if self.prefix is not None:
+            tokens = req.token_slice(0, max(cache_tokens, len(locked) * self.page_size))
+            path, duplicates = self.prefix.insert(tokens, pages, len(locked))
+            kept = self._on_inserted(req, path, pages, state_at if state_at == cache_tokens else -1)
+            self.prefix.unlock(locked)
+            self.pool.free(duplicates + [p for p in pages[len(path):] if p != kept])
+        else:
+            self.pool.free(pages)
         self._table_cpu[row, : len(pages)] = DUMMY_PAGE
         for i in range(len(pages)):
             self._dirty[(row, i)] = DUMMY_PAGE
         self._free_rows.append(row)
         req.table_row = -1
 
+    def chunk_limit(self, req: Req) -> int | None:
+        """Where the request's next prefill chunk must end (hybrid models: for a state snapshot); None: anywhere."""
+        return None
+
+    def after_chunk(self, req: Req) -> None:
+        """After a prefill chunk of `req` was launched (hybrid models snapshot their states here)."""
+
+    def prefix_stats(self) -> dict[str, int]:
+        """The EngineStats fields of the prefix cache."""
+        if self.prefix is None:
+            return {}
+        return dict(prefix_query_tokens_total=self.prefix.query_tokens, prefix_hit_tokens_total=self.prefix.hit_tokens,
+                    prefix_cached_pages=self.num_cached_pages, prefix_cached_snapshots=self.num_cached_snapshots)
+
+    @property
+    def num_cached_snapshots(self) -> int:
+        return 0
+
+    def count_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:
+        if self.prefix is not None:
+            self.prefix.query_tokens += prompt_tokens
+            self.prefix.hit_tokens += hit_tokens
+
+    def _on_inserted(self, req: Req, path: list[PageNode], pages: list[int], state_at: int) -> int:
+        """Hook for the hybrid cache (its states are snapshotted along the path); returns a page of the row
+        it keeps (-1: none)."""
+        return -1
+
+    def _extra_owned_pages(self) -> list[int]:
+        """Pages owned outside the rows and the trie (the hybrid cache's tails)."""
+        return []
+
     def pages_of(self, req: Req) -> list[int]:
         return list(self._pages.get(req.table_row, []))
+
+    def pages_released_by(self, req: Req) -> int:
+        """Pages that become allocatable if `req` leaves now: its own, and the shared ones only it holds."""
+        row = req.table_row
+        if row < 0:
+            return 0
+        locked = self._locked[row]
+        return len(self._pages[row]) - len(locked) + sum(n.ref == 1 for n in locked)
+
+    def drop_unreferenced(self) -> None:
+        """Evict every cached page no request holds (after a failed step: what it wrote is suspect)."""
+        if self.prefix is not None:
+            pages, snapshots = self.prefix.evict(self.prefix.num_unreferenced)
+            self.pool.free(pages)
+            self._on_evicted_snapshots(snapshots)
 
     # --- slots ------------------------------------------------------------------------------
     def slots(self, req: Req, start: int, end: int) -> list[int]:
@@ -141,12 +242,28 @@ class CacheManager:
         self.page_table[idx[0], idx[1]] = to_device(vals, torch.int32, dev)
 
     def check(self) -> None:
-        """Every allocated page belongs to exactly one request row; the CPU mirror matches."""
+        """Every allocated page belongs to exactly one owner (a request row or the prefix cache); a row's
+        shared pages are the locked cached nodes it starts with; the CPU mirror matches."""
         self.pool.check()
-        seen: set[int] = set()
+        cached: dict[int, PageNode] = {}
+        if self.prefix is not None:
+            self.prefix.check()
+            cached = {n.page: n for n in self.prefix.nodes()}
+        seen: set[int] = set(cached)
+        for p in self._extra_owned_pages():
+            assert p not in seen, f"page {p} owned twice"
+            seen.add(p)
+        refs: dict[int, int] = {}
         for row, pages in self._pages.items():
-            for p in pages:
+            locked = self._locked[row]
+            assert [n.page for n in locked] == pages[: len(locked)], f"row {row}: shared pages out of order"
+            for n in locked:
+                assert cached.get(n.page) is n, f"row {row} holds page {n.page} the cache no longer has"
+                refs[n.page] = refs.get(n.page, 0) + 1
+            for p in pages[len(locked):]:
                 assert p not in seen, f"page {p} owned twice"
                 seen.add(p)
             assert self._table_cpu[row, : len(pages)].tolist() == pages
+        for p, n in cached.items():
+            assert n.ref == refs.get(p, 0), f"cached page {p} has ref {n.ref}, {refs.get(p, 0)} rows hold it"
         assert len(seen) == self.pool.capacity - self.pool.num_free

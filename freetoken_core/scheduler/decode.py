@@ -26,7 +26,7 @@ def plan_decode(
 
     def shortfall() -> int:
         need = cache.pages_needed_total(batch, [length(r) for r in batch])
-        freed = sum(len(cache.pages_of(v)) for v in victims)
+        freed = sum(cache.pages_released_by(v) for v in victims)
         return need - (cache.num_free_pages + freed)
 
     while batch and shortfall() > 0 and len(victims) < len(running) - 1:

@@ -25,6 +25,13 @@ class PrefillPlan:
         return sum(self.extend_lens)
 
 
+def _chunk(req: Req, budget: int, cache: CacheManager) -> int:
+    """This step's rows of a prompt: under the budget, and ending where the cache wants a state snapshot."""
+    n = min(req.seq_len - req.cached_len, budget)
+    limit = cache.chunk_limit(req)
+    return n if limit is None else min(n, limit - req.cached_len)
+
+
 def plan_prefill(
     prefilling: list[Req],
     waiting: deque[Req],
@@ -41,7 +48,7 @@ def plan_prefill(
     for req in prefilling:
         if budget <= 0:
             break
-        n = min(req.seq_len - req.cached_len, budget)
+        n = _chunk(req, budget, cache)
         if cache.pages_needed(req, req.cached_len + n) > cache.num_free_pages:
             continue  # decoders took the pages; they free them by finishing or being retracted
         cache.allocate(req, req.cached_len + n)
@@ -55,14 +62,21 @@ def plan_prefill(
     num_admitted = len(running)
     while waiting and budget > 0 and num_admitted < max_running_req and cache.num_free_rows > 0:
         req = waiting[0]
+        cache.assign_row(req)
+        # the longest cached prefix (whole pages), leaving at least one token to run for the logits
+        matched = cache.attach_prefix(req, req.seq_len - 1)
         # the whole uncached sequence plus headroom must fit, not just this chunk: a request that
         # cannot finish its prefill would hold pages that decoders need
         need = cache.pages_needed(req, req.seq_len + headroom)
         if need > cache.num_free_pages - reserved:
+            cache.free(req)  # the row back, the prefix unlocked
             break
         waiting.popleft()
-        cache.assign_row(req)
-        n = min(req.seq_len - req.cached_len, budget)
+        req.cached_len = matched
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = min(matched, req.prompt_len)
+            cache.count_lookup(req.prompt_len, req.num_cached_tokens)
+        n = _chunk(req, budget, cache)
         cache.allocate(req, req.cached_len + n)
         reserved += cache.pages_needed(req, req.seq_len + headroom)
         reqs.append(req)

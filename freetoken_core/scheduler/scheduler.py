@@ -169,6 +169,7 @@ class Scheduler:
             generated_tokens_total=self.generated_tokens_total,
             # offloaded MoE experts: slot hit rate, bytes copied per token, misses per layer
             extra={"moe": self.engine.moe_stats()} if getattr(self.engine, "moe_executors", None) else {},
+            **self.cache.prefix_stats(),
         )
 
     def fail_step(self, error: str) -> list[DetokenizeMsg]:
@@ -196,6 +197,7 @@ class Scheduler:
                 self.waiting.remove(req)
             req.inflight = 0
             msgs.append(self.fail(req, error))
+        self.cache.drop_unreferenced()  # an abort during the failed step may have cached pages it wrote
         return msgs
 
     def fail(self, req: Req, error: str) -> DetokenizeMsg:
@@ -348,6 +350,8 @@ class Scheduler:
         step = self.engine.launch(batch, banned, gather)
         for req, n in zip(batch.reqs, batch.extend_lens):
             req.cached_len += n
+            if batch.phase == "prefill":
+                self.cache.after_chunk(req)
         for i in batch.sample_reqs:
             batch.reqs[i].inflight += 1
         self._pending = _Pending(batch, step, {batch.reqs[i].uid: row for row, i in enumerate(batch.sample_reqs)})
@@ -424,7 +428,10 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
-        self.cache.free(req)
+        if reason == "error":  # its K/V is suspect: not cached
+            self.cache.free(req)
+        else:
+            self._release(req)
         self.engine.penalties.release(req.uid)
         self._by_uid.pop(req.uid, None)
         self._stop_checkers.pop(req.uid, None)
@@ -435,10 +442,16 @@ class Scheduler:
         """Out of pages: give a running request's cache back and queue it first for recompute."""
         log.info("retracting request %d (%d tokens) to free KV pages", req.uid, req.seq_len)
         self.running.remove(req)
-        self.cache.free(req)
+        self._release(req)  # cached: its re-admission takes it back
         self.engine.penalties.release(req.uid)  # refilled from the committed tokens when it samples again
         req.cached_len = 0
         self.waiting.appendleft(req)
+
+    def _release(self, req: Req) -> None:
+        """Pages and row back, what it wrote cached; its linear states (hybrids) are at cached_len unless a
+        pipelined speculative step may hold accepted rows not seen yet."""
+        unknown = req.cached_len > req.seq_len or (self.spec is not None and self.spec.busy)
+        self.cache.free(req, req.written_len, -1 if unknown else req.cached_len)
 
     def message(self, req: Req, tokens: list[int], lp_start: int | None) -> DetokenizeMsg:
         """The message out for `req` after a commit of `tokens`; its logprobs from entry `lp_start` on."""
@@ -449,4 +462,5 @@ class Scheduler:
             req.output_logprobs[lp_start:] if want_lp else None,
             req.output_top_logprobs[lp_start:] if want_lp and req.sampling.logprobs else None,
             len(req.input_ids), len(req.output_ids), None, req.spec_accepted, req.spec_proposed,
+            req.num_cached_tokens or 0,
         )

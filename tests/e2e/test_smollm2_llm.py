@@ -145,3 +145,19 @@ def test_generate_text_equals_streamed_text(smollm2_path, skip_special):
         for o, full in zip(stopped, outs):
             if o.finish_reason == "stop":
                 assert o.text == full.text[: full.text.index(stop) + (len(stop) if include else 0)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_multi_turn_prefix_cache_identical(smollm2_path, page_size):
+    """Conversations sharing a system prompt, turn after turn, fewer rows than conversations, chunked
+    prefill: the same tokens with the prefix cache on and off; later turns take the earlier turns' pages."""
+    from tests.prefix_chat import assert_all_back, assert_later_turns_hit, run_chats, token_ids
+
+    chat = dict(num_convs=3, num_turns=3, system_len=30, new_len=6, max_tokens=6, vocab=(100, 40000))
+    kw = dict(dtype="float32", page_size=page_size, max_running_req=2, max_extend_tokens=24, num_pages=400 // page_size)
+    off = run_chats(LLM(smollm2_path, enable_prefix_caching=False, **kw), **chat)
+    llm = LLM(smollm2_path, **kw)
+    on = run_chats(llm, **chat)
+    assert token_ids(on) == token_ids(off)
+    assert_later_turns_hit(on, page_size)
+    assert_all_back(llm)

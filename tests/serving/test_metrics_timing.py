@@ -82,6 +82,27 @@ def test_updates_wait_for_their_flush_and_finishes_add_up():
     assert [v for op, fam, r, v in pb.events() if fam == "freetoken_request_finished_total" and r == "stop"] == [1, 1]
 
 
+def test_prefix_cache_counters_send_deltas_and_gauges_only_on_change():
+    pb = FakePbUtils()
+    m = TritonMetrics(pb, {"model": "freetoken"})
+
+    def prefix_events() -> list[tuple]:
+        return [(op, fam, v) for op, fam, _, v in pb.events() if "prefix_cache" in fam]
+
+    def with_prefix(q: int, h: int, pages: int) -> EngineStats:
+        return EngineStats(0, 0, 10, 10, 16, prefix_query_tokens_total=q, prefix_hit_tokens_total=h,
+                           prefix_cached_pages=pages)
+
+    m.set_engine_stats(with_prefix(100, 60, 4))
+    m.set_engine_stats(with_prefix(100, 60, 4))  # nothing new: no IPC
+    m.set_engine_stats(with_prefix(130, 60, 5))
+    assert prefix_events() == [
+        ("increment", "freetoken_prefix_cache_queries_total", 100), ("increment", "freetoken_prefix_cache_hits_total", 60),
+        ("set", "freetoken_prefix_cache_pages", 4), ("set", "freetoken_prefix_cache_snapshot_slots", 0),
+        ("increment", "freetoken_prefix_cache_queries_total", 30),
+        ("set", "freetoken_prefix_cache_pages", 5), ("set", "freetoken_prefix_cache_snapshot_slots", 0)]
+
+
 class RecordingTransport:
     def __init__(self) -> None:
         self.done = threading.Event()

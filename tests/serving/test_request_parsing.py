@@ -46,9 +46,21 @@ def test_return_logprobs_asks_engine_for_logprobs():
 
 
 def test_optional_outputs_are_sent_unless_turned_off():
-    """An absent return_<name> sends the output, false leaves it out."""
-    assert parse_request(_t()).omit_outputs == frozenset()
-    assert parse_request(_t(return_finish_reason=np.array([False]))).omit_outputs == {"finish_reason"}
+    """An absent return_<name> sends the output, false leaves it out; num_cached_tokens goes out only when asked."""
+    assert parse_request(_t()).omit_outputs == {"num_cached_tokens"}
+    assert parse_request(_t(return_finish_reason=np.array([False]))).omit_outputs == {"finish_reason",
+                                                                                      "num_cached_tokens"}
+    assert parse_request(_t(return_num_cached_tokens=np.array([True]))).omit_outputs == frozenset()
+
+
+def test_num_cached_tokens_output_when_asked():
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.triton.response import build_outputs
+
+    msg = DetokenizeMsg(uid=1, next_tokens=[5], finished=True, finish_reason="length", num_cached_tokens=48)
+    asked = parse_request(_t(return_num_cached_tokens=np.array([True]))).omit_outputs
+    assert int(build_outputs(msg, [5], None, [], "", "", omit=asked)["num_cached_tokens"][0]) == 48
+    assert "num_cached_tokens" not in build_outputs(msg, [5], None, [], "", "", omit=parse_request(_t()).omit_outputs)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -90,8 +102,8 @@ def test_sampling_parameters_types():
 def test_return_flags_false_omit_their_outputs():
     r = parse_request(_t(return_finish_reason=np.array([False]), return_num_input_tokens=np.array([False]),
                          return_num_output_tokens=np.array([True])))
-    assert r.omit_outputs == {"finish_reason", "num_input_tokens"}
-    assert parse_request(_t()).omit_outputs == frozenset()  # absent = sent (the default)
+    assert r.omit_outputs == {"finish_reason", "num_input_tokens", "num_cached_tokens"}
+    assert parse_request(_t()).omit_outputs == {"num_cached_tokens"}  # absent = sent (the default), but that one
 
 
 def test_build_outputs_honours_omit_and_sends_cancel_key_only_when_set():

@@ -37,7 +37,8 @@ INPUT_NAMES = (
     "input_ids", "max_tokens", "stream", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "random_seed",
     "min_tokens", "min_length", "ignore_eos", "beam_width", "stop_words", "stop_token_ids", "bad_words",
-    "exclude_input_in_output", "return_logprobs", "num_top_logprobs", "return_num_input_tokens", "return_num_output_tokens",
+    "exclude_input_in_output", "return_logprobs", "num_top_logprobs", "return_num_input_tokens",
+    "return_num_output_tokens", "return_num_cached_tokens",
     "return_finish_reason", "sampling_parameters", "text_input", "ensemble_key", "detok_acks",
 )
 

@@ -58,6 +58,11 @@ class TritonMetrics(EngineMetrics):
             family("freetoken_moe_slot_hit_ratio", "Routed experts found in a device slot", MF.GAUGE),
             family("freetoken_moe_bytes_copied_per_token", "Expert bytes copied host to device per token", MF.GAUGE),
             family("freetoken_moe_layer_misses", "Expert slot misses per MoE layer", MF.GAUGE),
+            family("freetoken_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", MF.COUNTER),
+            family("freetoken_prefix_cache_hits_total", "Prompt tokens served from the prefix cache", MF.COUNTER),
+            family("freetoken_prefix_cache_pages", "KV pages held by the prefix cache", MF.GAUGE),
+            family("freetoken_prefix_cache_snapshot_slots", "Linear-state snapshot slots held by the prefix cache",
+                   MF.GAUGE),
         ]
         f = self._families
         self.ttft = f[0].Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -70,6 +75,10 @@ class TritonMetrics(EngineMetrics):
         self.kv_usage = f[7].Metric(labels=labels)
         self.kv_free = f[8].Metric(labels=labels)
         self.kv_total = f[9].Metric(labels=labels)
+        self.prefix_queries, self.prefix_hits = f[13].Metric(labels=labels), f[14].Metric(labels=labels)
+        self.prefix_pages, self.prefix_snapshots = f[15].Metric(labels=labels), f[16].Metric(labels=labels)
+        self._prefix_sent = (0, 0)  # the engine's totals already counted
+        self._prefix_held: tuple[int, int] | None = None
         self._labels = labels
         self._moe: tuple[Any, Any] | None = None  # made on the first MoE stats: dense models show none
         self._moe_layers: list[Any] = []
@@ -120,6 +129,7 @@ class TritonMetrics(EngineMetrics):
         moe = stats.extra.get("moe") if stats.extra else None
         if moe:
             self._set_moe(moe)
+        self._set_prefix(stats)
         snap = (stats.num_running, stats.num_waiting, stats.num_free_pages, stats.num_total_pages)
         if snap == self._last:
             return
@@ -132,9 +142,24 @@ class TritonMetrics(EngineMetrics):
 
     def clear_gauges(self) -> None:
         for gauge in (self.running, self.waiting, self.kv_usage, self.kv_free, self.kv_total, *self._moe_layers,
-                      *(self._moe or ())):
+                      *(self._moe or ()), self.prefix_pages, self.prefix_snapshots):
             gauge.set(0)
         self._last = None
+        self._prefix_sent, self._prefix_held = (0, 0), None  # a new engine counts from zero
+
+    def _set_prefix(self, stats: EngineStats) -> None:
+        queries, hits = stats.prefix_query_tokens_total, stats.prefix_hit_tokens_total
+        sent_q, sent_h = self._prefix_sent
+        if queries > sent_q:
+            self.prefix_queries.increment(queries - sent_q)
+        if hits > sent_h:
+            self.prefix_hits.increment(hits - sent_h)
+        self._prefix_sent = (max(queries, sent_q), max(hits, sent_h))
+        held = (stats.prefix_cached_pages, stats.prefix_cached_snapshots)
+        if held != self._prefix_held:  # a gauge update is an IPC round trip: only on change
+            self._prefix_held = held
+            self.prefix_pages.set(held[0])
+            self.prefix_snapshots.set(held[1])
 
     def _set_moe(self, moe: dict) -> None:
         f = self._families

@@ -246,6 +246,8 @@ def parse_request(
     prompt = _scalar(tensors.get("text_input"))
     flags = {name: _scalar(tensors.get(f"return_{name}")) for name in OPTIONAL_OUTPUTS}
     omit = frozenset(name for name, flag in flags.items() if flag is not None and not bool(flag))
+    if not bool(_scalar(tensors.get("return_num_cached_tokens")) or False):  # sent only when asked
+        omit |= {"num_cached_tokens"}
     return ParsedRequest(
         input_ids=[int(t) for t in ids],
         params=params,

@@ -53,6 +53,7 @@ def build_outputs(
         "stop_reason": _bytes1("" if stop is None else str(stop)),
         "num_input_tokens": np.array([msg.num_prompt_tokens], dtype=np.uint32),
         "num_output_tokens": np.array([msg.num_output_tokens], dtype=np.uint32),
+        "num_cached_tokens": np.array([msg.num_cached_tokens], dtype=np.uint32),
         "logprobs": np.asarray(logprobs or [], dtype=np.float32),
         "spec_accepted": np.array([msg.spec_accepted], dtype=np.uint32),
         "spec_proposed": np.array([msg.spec_proposed], dtype=np.uint32),

@@ -1,0 +1,74 @@
+"""Which cache manager an engine gets, by cache kind: `plain` (no prefix cache), `radix` (the page trie of
+kvcache/prefix_cache.py) or `hybrid` (the trie plus linear-state snapshots of kvcache/hybrid.py); and the
+snapshot pool's size, taken out of the K/V budget."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..config import EngineConfig
+from .hybrid import HybridCacheManager
+from .linear_state import LinearStatePool
+from .manager import CacheManager
+from .pool import KVCache
+from .prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+STATE_GB_CAP = 4.0  # default snapshot budget: min(4 GiB, STATE_SHARE of the K/V budget)
+STATE_SHARE = 0.10
+
+
+def cache_kind(config: EngineConfig, linear: LinearStatePool | None, tensor_parallel: bool) -> str:
+    if not config.enable_prefix_caching:
+        return "plain"
+    if linear is None:
+        return "radix"
+    if tensor_parallel:  # the workers' live states would need the snapshot copies too
+        log.warning("prefix caching is off: hybrid (GDN) models do not cache prefixes with tensor_parallel_size > 1")
+        return "plain"
+    return "hybrid"
+
+
+def plan_snapshots(config: EngineConfig, linear: LinearStatePool, num_pages: int, bytes_per_page: int) -> tuple[int, int]:
+    """(snapshot slots, K/V pages left). The default budget is min(4 GiB, 10% of the K/V budget); an explicit
+    `num_pages` keeps its pages, a computed count gives the snapshots their bytes."""
+    per_slot = LinearStatePool.bytes_per_slot(linear.specs, linear.conv[0].dtype, linear.recurrent[0].dtype)
+    kv_bytes = num_pages * bytes_per_page
+    budget = (config.prefix_cache_state_gb * 2**30 if config.prefix_cache_state_gb is not None
+              else min(STATE_GB_CAP * 2**30, STATE_SHARE * kv_bytes))
+    slots = int(budget // per_slot)
+    if config.num_pages is None:
+        num_pages = max(2, num_pages - (slots * per_slot + bytes_per_page - 1) // bytes_per_page)
+    log.info("prefix cache: %d linear-state snapshot slots of %.2f MiB (%.2f GiB, prefix_cache_state_gb), "
+             "a periodic snapshot every %d tokens", slots, per_slot / 2**20, slots * per_slot / 2**30,
+             config.prefix_cache_state_interval)
+    return slots, num_pages
+
+
+def _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
+    return CacheManager(num_pages, config.page_size, rows, max_seq_len, device)
+
+
+def _radix(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
+    return CacheManager(num_pages, config.page_size, rows, max_seq_len, device, PrefixCache(config.page_size))
+
+
+def _hybrid(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
+    if snapshots < 1:
+        log.warning("prefix caching is off: the snapshot budget holds no linear-state snapshot")
+        return _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots)
+    return HybridCacheManager(num_pages, config.page_size, rows, max_seq_len, device, kv, linear, snapshots,
+                              config.prefix_cache_state_interval)
+
+
+CACHE_MANAGERS: dict[str, Callable[..., CacheManager]] = {"plain": _plain, "radix": _radix, "hybrid": _hybrid}
+
+
+def make_cache_manager(kind: str, config: EngineConfig, num_pages: int, max_running_req: int, max_seq_len: int,
+                       device: torch.device, kv: KVCache, linear: LinearStatePool | None,
+                       snapshots: int = 0) -> CacheManager:
+    return CACHE_MANAGERS[kind](config, num_pages, max_running_req, max_seq_len, device, kv, linear, snapshots)

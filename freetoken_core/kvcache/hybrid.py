@@ -1,0 +1,269 @@
+"""The prefix cache of hybrid (gated-delta-net) models: K/V pages in the trie plus linear-state snapshots.
+
+A GDN layer's state at a prefix cannot be rebuilt from pages: it is a snapshot (conv + recurrent state),
+copied out of the request's live slot into a bounded `SnapshotPool`. A hybrid match is the longest prefix
+that has both its K/V pages and a snapshot. Snapshots are taken
+  - at the end of every cached sequence (finish, abort, retraction). The end rarely falls on a page
+    boundary, so it is kept as a *tail* of the last full-page node: the partial page (owned by the tail)
+    and the snapshot after its last token. A request matching a tail gets a private copy of that page
+    (copy on write: pages are never shared partially) and the snapshot;
+  - at divergence points: when a request's K/V match reaches deeper than any snapshot on its path (a
+    shared system prompt, then different users), its prefill is cut so that one chunk ends exactly at
+    the end of the K/V match, and the state there becomes that node's snapshot, so every later request
+    with that prefix hits all of it;
+  - every `interval` tokens (a page multiple) of a long prefill, marked periodic: evicted before the
+    boundary ones.
+A snapshot is never locked: a request copies it into its own slot at admission and is done with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import Req
+from .linear_state import LinearStatePool, slot_of_row
+from .manager import CacheManager
+from .pool import KVCache
+from .prefix_cache import PageNode, PrefixCache
+
+
+@dataclass(eq=False)
+class Tail:
+    """A cached sequence's end inside a page: its tokens past the node, the partial page, the snapshot."""
+
+    node: PageNode
+    tokens: tuple[int, ...]
+    page: int
+    snapshot: int
+    last_access: int = 0
+
+
+class SnapshotPool:
+    """Linear-state snapshot slots (the same tensors as the live pool, another slot count) and their free list."""
+
+    def __init__(self, live: LinearStatePool, num_slots: int) -> None:
+        self.live = live
+        self.store = LinearStatePool(live.specs, num_slots, live.conv[0].dtype, live.recurrent[0].dtype, live.device)
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return self.store.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, live_slot: int) -> int:
+        slot = self._free.pop()
+        for dst, src in ((self.store.conv, self.live.conv), (self.store.recurrent, self.live.recurrent)):
+            for d, s in zip(dst, src):
+                d[slot].copy_(s[live_slot])
+        return slot
+
+    def restore(self, slot: int, live_slot: int) -> None:
+        for dst, src in ((self.live.conv, self.store.conv), (self.live.recurrent, self.store.recurrent)):
+            for d, s in zip(dst, src):
+                d[live_slot].copy_(s[slot])
+
+    def give_back(self, slots: list[int]) -> None:
+        for s in slots:
+            assert 0 <= s < self.num_slots and s not in self._free, f"snapshot slot {s} freed twice"
+            self._free.append(s)
+
+
+class HybridCacheManager(CacheManager):
+    def __init__(self, num_pages: int, page_size: int, max_running_req: int, max_seq_len: int,
+                 device: torch.device, kv: KVCache, live: LinearStatePool, num_snapshots: int, interval: int) -> None:
+        super().__init__(num_pages, page_size, max_running_req, max_seq_len, device, PrefixCache(page_size))
+        self.kv = kv
+        self.snapshots = SnapshotPool(live, num_snapshots)
+        self.interval = max(page_size, interval // page_size * page_size)  # snapshots sit on page boundaries
+        self._holders: dict[int, PageNode] = {}  # snapshot slot -> the node that has it
+        self._tails: dict[int, Tail] = {}  # snapshot slot -> the tail that has it
+        self._split: dict[int, list[tuple[int, bool]]] = {}  # row -> (position, periodic) to snapshot, ascending
+        self._taken: dict[int, list[tuple[int, int, bool]]] = {}  # row -> (position, slot, periodic) taken
+
+    # --- accounting -------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return super().num_free_pages + len(self._tails)  # a tail's page is never locked: always evictable
+
+    @property
+    def num_cached_pages(self) -> int:
+        return super().num_cached_pages + len(self._tails)
+
+    @property
+    def num_cached_snapshots(self) -> int:
+        return len(self._holders) + len(self._tails)
+
+    @property
+    def num_free_snapshots(self) -> int:
+        """Free snapshot slots plus cached ones (never locked: all evictable); running requests' taken ones not."""
+        return self.snapshots.num_slots - sum(len(t) for t in self._taken.values())
+
+    def _extra_owned_pages(self) -> list[int]:
+        return [t.page for t in self._tails.values()]
+
+    def _live_slot(self, req: Req) -> int:
+        return slot_of_row(req.table_row, self.dummy_row)
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.pool.num_free
+        if short > 0:  # tails first: a page each for less than a page of prefix
+            for tail in sorted(self._tails.values(), key=lambda t: t.last_access)[:short]:
+                self._drop_tail(tail)
+        return super()._alloc(n)
+
+    def _drop_tail(self, tail: Tail) -> None:
+        del self._tails[tail.snapshot]
+        del tail.node.tails[tail.tokens]
+        self.pool.free([tail.page])
+        self.snapshots.give_back([tail.snapshot])
+        self.prefix._push_leaf(tail.node)  # it may be an evictable leaf now
+
+    def _on_evicted_snapshots(self, slots: list[int]) -> None:
+        for s in slots:
+            del self._holders[s]
+        self.snapshots.give_back(slots)
+
+    def drop_unreferenced(self) -> None:
+        for tail in list(self._tails.values()):
+            self._drop_tail(tail)
+        super().drop_unreferenced()
+
+    def _snapshot_slot(self, live_slot: int) -> int:
+        """A snapshot slot holding the live state; when none is free, a cached snapshot is evicted (periodic
+        ones first, then least recently used). -1 when running requests hold every slot."""
+        if not self.snapshots.num_free:
+            key = lambda n: (not n.snapshot_periodic, n.last_access)  # noqa: E731
+            node = min(self._holders.values(), key=key, default=None)
+            tail = min(self._tails.values(), key=lambda t: t.last_access, default=None)
+            if node is not None and (tail is None or node.snapshot_periodic or node.last_access < tail.last_access):
+                del self._holders[node.snapshot]
+                self.snapshots.give_back([node.snapshot])
+                node.snapshot = -1
+            elif tail is not None:
+                self._drop_tail(tail)
+            else:
+                return -1
+        return self.snapshots.take(live_slot)
+
+    def _hold(self, node: PageNode, slot: int, periodic: bool) -> None:
+        node.snapshot, node.snapshot_periodic = slot, periodic
+        self._holders[slot] = node
+
+    # --- admission ----------------------------------------------------------------------------
+    def attach_prefix(self, req: Req, max_tokens: int) -> int:
+        row = req.table_row
+        tokens = req.token_slice(0, max_tokens)
+        kv_path = self.prefix.match(tokens).nodes
+        # a tail needs a page for its copy (besides itself): without one, the node snapshot before it
+        depth, tail = self._best_state(kv_path, tokens, with_tails=self.num_free_pages > 1)
+        nodes = kv_path[:depth]
+        self.prefix.lock(nodes)
+        self._locked[row] = list(nodes)
+        pages = [n.page for n in nodes]
+        self._set_pages(row, 0, pages)
+        self._pages[row].extend(pages)
+        matched = depth * self.page_size
+        live = self._live_slot(req)
+        if tail is not None:
+            tail.last_access = next(self.prefix._clock)
+            del self._tails[tail.snapshot]  # not evicted for the page it is copied to
+            (page,) = self._alloc(1)  # copy on write: the tail's partial page becomes the request's own
+            self._tails[tail.snapshot] = tail
+            for k, v in zip(self.kv.k, self.kv.v):
+                k[page].copy_(k[tail.page])
+                v[page].copy_(v[tail.page])
+            self._set_pages(row, depth, [page])
+            self._pages[row].append(page)
+            self.snapshots.restore(tail.snapshot, live)
+            matched += len(tail.tokens)
+        elif depth:
+            self.snapshots.restore(nodes[-1].snapshot, live)
+        # where prefill chunks end for a snapshot: the end of a deeper K/V match (where sequences diverge)
+        # and every interval
+        split = [(len(kv_path) * self.page_size, False)] if len(kv_path) * self.page_size > matched else []
+        first = (matched // self.interval + 1) * self.interval
+        split += [(p, True) for p in range(first, max_tokens + 1, self.interval)]
+        self._split[row] = sorted(set(split))
+        self._taken[row] = []
+        return matched
+
+    def _best_state(self, path: list[PageNode], tokens: list[int], with_tails: bool) -> tuple[int, Tail | None]:
+        """The deepest point of the K/V path with a snapshot: (full pages, a tail past them or None)."""
+        ps = self.page_size
+        for depth in range(len(path), -1, -1):
+            node = path[depth - 1] if depth else self.prefix.root
+            rest = tokens[depth * ps:(depth + 1) * ps] if with_tails else []
+            for n in range(min(len(rest), ps - 1), 0, -1):
+                tail = node.tails.get(tuple(rest[:n]))
+                if tail is not None:
+                    return depth, tail
+            if depth and node.snapshot >= 0:
+                return depth, None
+        return 0, None
+
+    # --- prefill chunks -----------------------------------------------------------------------
+    def chunk_limit(self, req: Req) -> int | None:
+        """Where the request's next prefill chunk must end for a snapshot (None: anywhere)."""
+        for pos, _ in self._split.get(req.table_row, []):
+            if pos > req.cached_len:
+                return pos
+        return None
+
+    def after_chunk(self, req: Req) -> None:
+        """After a prefill chunk was launched: snapshot the state if the chunk ended at a split point (the copy
+        is queued after the forward)."""
+        split = self._split.get(req.table_row)
+        while split and split[0][0] <= req.cached_len:
+            pos, periodic = split.pop(0)
+            if pos == req.cached_len:
+                slot = self._snapshot_slot(self._live_slot(req))
+                if slot >= 0:
+                    self._taken[req.table_row].append((pos, slot, periodic))
+
+    # --- leaving ------------------------------------------------------------------------------
+    def _on_inserted(self, req: Req, path: list[PageNode], pages: list[int], state_at: int) -> int:
+        """The snapshots the request took go to their nodes; its end state becomes a node snapshot or a tail."""
+        ps, row = self.page_size, req.table_row
+        self._split.pop(row, None)
+        for pos, slot, periodic in self._taken.pop(row, []):
+            node = path[pos // ps - 1] if pos // ps <= len(path) else None
+            if node is not None and node.snapshot < 0:
+                self._hold(node, slot, periodic)
+            else:
+                self.snapshots.give_back([slot])
+        if state_at <= 0:
+            return -1
+        depth = state_at // ps
+        if depth > len(path):
+            return -1
+        node = path[depth - 1] if depth else self.prefix.root
+        rest = tuple(req.token_slice(depth * ps, state_at))
+        if not rest:  # the end is a page boundary: a node snapshot
+            if node.snapshot < 0:
+                slot = self._snapshot_slot(self._live_slot(req))
+                if slot >= 0:
+                    self._hold(node, slot, False)
+            return -1
+        if rest in node.tails or depth >= len(pages):
+            return -1
+        slot = self._snapshot_slot(self._live_slot(req))
+        if slot < 0:
+            return -1
+        tail = Tail(node, rest, pages[depth], slot, next(self.prefix._clock))
+        node.tails[rest] = tail
+        self._tails[slot] = tail
+        return tail.page
+
+    def check(self) -> None:
+        super().check()
+        held = list(self._holders) + list(self._tails) + [s for t in self._taken.values() for _, s, _ in t]
+        assert len(set(held)) == len(held), "a snapshot slot held twice"
+        assert len(held) + self.snapshots.num_free == self.snapshots.num_slots, "snapshot slots leaked"
+        for slot, node in self._holders.items():
+            assert node.snapshot == slot and node.parent is not None

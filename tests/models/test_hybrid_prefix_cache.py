@@ -1,0 +1,104 @@
+"""Prefix caching on gated-delta-net hybrids (Qwen3-Next, Qwen3.5-MoE wrapper; tiny random checkpoints): K/V
+pages plus linear-state snapshots. Multi-turn chats sharing a ~64-token system prompt give the same tokens
+with the cache on and off (page sizes 1 and 4, chunked prefill, overlap, speculation, pools small enough to
+evict pages and snapshots); divergence-point and periodic snapshots; snapshot-slot accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken_core import LLM, SamplingParams
+from freetoken_core.kvcache.hybrid import HybridCacheManager
+from tests.models.hybrid_checkpoints import VOCAB, make_tiny_hybrid
+from tests.prefix_chat import assert_all_back, assert_later_turns_hit, random_traffic, run_chats, token_ids
+
+STATE_GB = 0.01  # the default (10% of these tiny K/V pools) holds no snapshot of even a tiny model
+CHAT = dict(num_convs=4, num_turns=3, system_len=64, new_len=5, max_tokens=6, vocab=(3, VOCAB))
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def hybrid(request, tmp_path_factory):
+    return make_tiny_hybrid(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _snapshots_back(llm: LLM) -> None:
+    cache = llm.scheduler.cache
+    assert isinstance(cache, HybridCacheManager)
+    assert_all_back(llm)
+    assert cache.num_free_snapshots == cache.snapshots.num_slots
+
+
+def _pair(path, **kw):
+    base = dict(dtype="float32", max_running_req=3, max_extend_tokens=16, num_pages=300, prefix_cache_state_gb=STATE_GB) | kw
+    off = run_chats(LLM(path, enable_prefix_caching=False, **base), **CHAT)
+    llm = LLM(path, **base)
+    on = run_chats(llm, **CHAT)
+    assert token_ids(on) == token_ids(off)
+    _snapshots_back(llm)
+    return on, llm
+
+
+@pytest.mark.parametrize("page_size,overlap", [(1, False), (4, True)])
+def test_multi_turn_identical_and_hits(hybrid, page_size, overlap):
+    on, llm = _pair(hybrid, page_size=page_size, overlap_schedule=overlap)
+    assert_later_turns_hit(on, page_size)
+    # the fourth conversation of turn 1 waited for a row: the third cut its prefill at the end of the
+    # shared system prompt's pages (a divergence point) or hit its own... at least one later request hit
+    assert all(o.num_cached_tokens > 0 for outs in on[1:] for o in outs)
+
+
+def test_speculation_with_cached_prefixes(hybrid):
+    on, llm = _pair(hybrid, page_size=4, speculative="ngram", num_speculative_tokens=3)
+    assert all(o.num_cached_tokens > 0 for outs in on[1:] for o in outs)
+    assert sum(o.spec_proposed for outs in on for o in outs) > 0
+
+
+def test_small_pools_evict_pages_and_snapshots(hybrid):
+    """Few pages and few snapshot slots: both get evicted mid-run; tokens unchanged, nothing leaks."""
+    probe = LLM(hybrid, dtype="float32", page_size=4, num_pages=8, max_running_req=1, prefix_cache_state_gb=1.0)
+    per_slot = probe.scheduler.cache.snapshots.store.nbytes / probe.scheduler.cache.snapshots.num_slots
+    on, llm = _pair(hybrid, page_size=4, num_pages=60, prefix_cache_state_gb=3.5 * per_slot / 2**30)
+    assert llm.scheduler.cache.snapshots.num_slots == 3
+    assert llm.scheduler.cache.prefix.evicted_pages > 0
+
+
+def test_divergence_point_snapshot(hybrid):
+    """A shared system prompt, then different users, one at a time: the second request cuts its prefill at
+    the end of the shared pages and snapshots there; the third takes the whole shared prefix."""
+    system = [(7 * i) % (VOCAB - 3) + 3 for i in range(64)]
+    users = [[10 + j] * 6 for j in range(3)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    off = LLM(hybrid, dtype="float32", page_size=4, num_pages=200, enable_prefix_caching=False)
+    llm = LLM(hybrid, dtype="float32", page_size=4, num_pages=200, max_extend_tokens=48, prefix_cache_state_gb=STATE_GB)
+    outs = [llm.generate([system + u], params)[0] for u in users]
+    assert [o.token_ids for o in outs] == [off.generate([system + u], params)[0].token_ids for u in users]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 64]
+    _snapshots_back(llm)
+
+
+def test_periodic_snapshots(hybrid):
+    """A long prompt prefilled in chunks leaves a periodic snapshot every `prefix_cache_state_interval`
+    tokens: a request that shares only its first 30 tokens restarts from the one at 24."""
+    first = [(5 * i) % (VOCAB - 3) + 3 for i in range(40)]
+    second = first[:30] + [9] * 10
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    off = LLM(hybrid, dtype="float32", page_size=4, num_pages=200, enable_prefix_caching=False)
+    llm = LLM(hybrid, dtype="float32", page_size=4, num_pages=200, max_extend_tokens=16,
+              prefix_cache_state_interval=8, prefix_cache_state_gb=STATE_GB)
+    a = llm.generate([first], params)[0]
+    b = llm.generate([second], params)[0]
+    assert b.num_cached_tokens == 24
+    assert [a.token_ids, b.token_ids] == [o.token_ids for o in off.generate([first, second], params)]
+    periodic = [n for n in llm.scheduler.cache.prefix.nodes() if n.snapshot >= 0 and n.snapshot_periodic]
+    assert periodic
+    _snapshots_back(llm)
+
+
+def test_random_arrivals_and_aborts_keep_invariants(hybrid):
+    """Random traffic with page and snapshot eviction: pages, tails and snapshot slots each have one owner after
+    every step; all come back."""
+    llm = LLM(hybrid, dtype="float32", page_size=2, num_pages=48, max_running_req=4, max_extend_tokens=10,
+              prefix_cache_state_gb=STATE_GB / 100, prefix_cache_state_interval=8)
+    random_traffic(llm, (3, VOCAB))
+    _snapshots_back(llm)
+    assert llm.scheduler.cache.prefix.hit_tokens > 0
