@@ -13,9 +13,12 @@ there it is information), bad requests refused clearly, KV pages leaked (from /m
 tritonserver, each stub and the engine process (the `freetoken` stub's child) sampled every 5% of the run,
 with the growth over the last 80%, p50/p99 latency. Exit status 0 when the issue-52 targets hold: no error
 among good requests, no mismatch, every bad request refused clearly, no page leaked, engine RSS growth
-over the last 80% under --max-engine-rss-growth.
+over the last 80% under --max-engine-rss-growth. `--shared-prefix N` adds templates that open with one shared
+prefix of about N tokens and their second turns (prompt + solo reply + a question), so prefix-cache hits run
+under the same checks; "no page leaked" then means free + evictable cached pages == the pool (wait_idle).
 
     python benchmarks/soak.py --requests 10000 --concurrency 8 --max-tokens 8     # cancels 10%, bad 1%
+    python benchmarks/soak.py --requests 2000 --shared-prefix 500   # + chats sharing a prefix, and their 2nd turns
     python benchmarks/soak.py --grpc-url localhost:8001 --http-url localhost:8000 --metrics-url ...  # a running server
 
 tests/serving/test_soak.py runs a short version against the test server.
@@ -36,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_requests import (BAD_CASES, KINDS, STREAMING, BadCase, Outcome,  # noqa: E402
-                           Template, execute, make_templates, run_grpc)
+                           Template, execute, make_templates, next_turn, run_grpc, shared_prefix_templates)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -96,6 +99,7 @@ class SoakConfig:
     max_tokens: int = 24
     seed: int = 0
     bad_fraction: float = 0.01
+    shared_prefix: int = 0  # > 0: templates that share a prefix of about this many tokens, and their second turns
 
 
 @dataclass
@@ -108,7 +112,10 @@ class SoakReport:
     mismatches: int  # completed requests whose text differs from their template's solo run
     bad_requests: int
     bad_unclear: int  # bad requests accepted, or refused by an error that does not name the field
-    leaked_pages: float
+    leaked_pages: float  # pages neither free nor evictable once idle
+    cached_pages_after: float  # evictable: the prefix cache's pages, held by no request once idle
+    prefix_hit_tokens: float  # prompt tokens served from the prefix cache during the run
+    shared_completed: int  # completed requests of the shared-prefix templates and their second turns
     running_after: float
     waiting_after: float
     aborted: float  # finish_reason="abort" counted by the engine during the run
@@ -150,7 +157,12 @@ def make_plan(cfg: SoakConfig, templates: list[Template]) -> list[tuple[str, Tem
 
 
 def wait_idle(metrics_url: str, timeout: float = 120.0) -> dict[str, float]:
-    """Until nothing runs or waits and every page is free (or the timeout); returns the last scrape."""
+    """Until nothing runs or waits and every page is free (or the timeout); returns the last scrape.
+
+    With prefix caching the free list alone no longer refills the pool: finished requests' pages stay cached.
+    The engine's free-pages gauge counts the cached pages no request holds (evicted on demand), so the idle
+    invariant is free list + evictable cached pages == pool, i.e. free == total, with every cached page among
+    them."""
     deadline = time.monotonic() + timeout
     m = scrape(metrics_url)
     while time.monotonic() < deadline:
@@ -166,12 +178,21 @@ def run_soak(grpc_url: str, http_url: str, metrics_url: str, cfg: SoakConfig, se
              log=print) -> SoakReport:
     http_host, http_port = http_url.rsplit(":", 1)[0], int(http_url.rsplit(":", 1)[1])
     templates = make_templates(cfg.max_tokens)
-    solo = {}
-    for tpl in templates:  # the reference: each template alone on the server
+    shared = shared_prefix_templates(cfg.max_tokens, cfg.shared_prefix) if cfg.shared_prefix else []
+    solo: dict[str, str] = {}
+
+    def solo_run(tpl: Template) -> None:  # the reference: each template alone on the server
         ref = run_grpc(grpc_url, tpl, True, None)
         if ref.error or ref.finals != 1:
             raise RuntimeError(f"solo run of {tpl.name} failed: {ref}")
         solo[tpl.name] = ref.text
+
+    for tpl in templates + shared:
+        solo_run(tpl)
+    turns2 = [next_turn(tpl, solo[tpl.name]) for tpl in shared]
+    for tpl in turns2:
+        solo_run(tpl)
+    templates += shared + turns2
     log(f"solo runs of {len(templates)} templates done")
     plan = make_plan(cfg, templates)
     wait_idle(metrics_url)
@@ -236,6 +257,9 @@ def run_soak(grpc_url: str, http_url: str, metrics_url: str, cfg: SoakConfig, se
         requests=len(results), cancelled=len(outcomes) - len(done), completed=len(done), errors=len(errors),
         bad_finals=len(bad_finals), mismatches=len(mism), bad_requests=len(bads), bad_unclear=len(unclear),
         leaked_pages=m1.get("freetoken_kv_cache_total_pages", 0) - m1.get("freetoken_kv_cache_free_pages", 0),
+        cached_pages_after=m1.get("freetoken_prefix_cache_pages", 0),
+        prefix_hit_tokens=m1.get("freetoken_prefix_cache_hits_total", 0) - m0.get("freetoken_prefix_cache_hits_total", 0),
+        shared_completed=sum(o.template.startswith("shared") for o in done),
         running_after=m1.get("freetoken_num_requests_running", 0), waiting_after=m1.get("freetoken_num_requests_waiting", 0),
         aborted=m1.get("freetoken_request_finished_total:abort", 0) - m0.get("freetoken_request_finished_total:abort", 0),
         p50_s=lat[len(lat) // 2], p99_s=lat[min(len(lat) - 1, int(len(lat) * 0.99))], wall_s=wall,
@@ -250,8 +274,10 @@ def format_report(r: SoakReport) -> str:
         f"in {r.wall_s:.1f} s",
         f"errors among good {r.errors}   != 1 FINAL {r.bad_finals}   mismatches vs solo {r.mismatches}   "
         f"bad requests not refused clearly {r.bad_unclear} of {r.bad_requests}",
-        f"leaked KV pages {r.leaked_pages:g}   running after {r.running_after:g}   waiting after {r.waiting_after:g}   "
+        f"leaked KV pages {r.leaked_pages:g} (cached, evictable {r.cached_pages_after:g})   running after {r.running_after:g}   waiting after {r.waiting_after:g}   "
         f"engine aborts {r.aborted:g}",
+        f"prompt tokens from the prefix cache {r.prefix_hit_tokens:g}   shared-prefix requests completed "
+        f"{r.shared_completed}",
         f"latency p50 {r.p50_s:.2f} s   p99 {r.p99_s:.2f} s",
         "by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(r.by_kind.items())),
     ]
@@ -284,6 +310,9 @@ def main() -> int:
     p.add_argument("--bad-fraction", type=float, default=0.01)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="add templates that open with one shared prefix of about this many tokens, and their "
+                        "second turns (prompt + reply + a question): the prefix cache's hits under the same checks")
     p.add_argument("--max-engine-rss-growth", type=float, default=2.0, metavar="PCT",
                    help="exit non-zero when the engine process grew more than this over the last 80%% of the run")
     p.add_argument("--model-path", help="default: SmolLM2-135M-Instruct")
@@ -297,7 +326,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args()
     cfg = SoakConfig(args.requests, args.concurrency, args.cancel_fraction, args.max_tokens, args.seed,
-                     args.bad_fraction)
+                     args.bad_fraction, args.shared_prefix)
     handle = None
     if args.grpc_url:
         grpc_url, http_url, metrics_url, pid = args.grpc_url, args.http_url, args.metrics_url, args.server_pid

@@ -46,6 +46,26 @@ def make_templates(max_tokens: int) -> list[Template]:
     return t
 
 
+# Short common words, about a token each: a shared prefix of N words is about N tokens long.
+_PREFIX_WORDS = ("the sea is calm and the light on the hill is on all night so that the boats can see the rocks "
+                 "near the coast when the wind is high and the rain is cold").split()
+_SHARED_QUESTIONS = (" What colour is the sea?", " Who keeps the light?", " Why is the wind high?",
+                     " Name a boat.")
+
+
+def shared_prefix_templates(max_tokens: int, prefix_words: int) -> list[Template]:
+    """Greedy requests that open with one shared prefix of `prefix_words` words (a system prompt every chat
+    repeats): after the first, each finds the prefix's pages in the cache."""
+    prefix = " ".join(_PREFIX_WORDS[i % len(_PREFIX_WORDS)] for i in range(prefix_words))
+    return [Template(f"shared{i}", {"text_input": prefix + q, "max_tokens": max_tokens})
+            for i, q in enumerate(_SHARED_QUESTIONS)]
+
+
+def next_turn(tpl: Template, reply: str) -> Template:
+    """A chat's second turn: the first turn's prompt, its reply and a new question (its prefix is cached)."""
+    return Template(f"{tpl.name}/turn2", {**tpl.inputs, "text_input": tpl.inputs["text_input"] + reply + " Say more."})
+
+
 @dataclass(frozen=True)
 class BadCase:
     """A request the server must refuse with an error that names `field`, leaving every other request alone."""

@@ -37,6 +37,33 @@ def test_short_soak(triton_server):
     assert all(g < 25.0 for g in growth.values()), growth
 
 
+def test_short_soak_with_shared_prefixes(triton_server):
+    """Chats that share a prefix, and their second turns, mixed with the rest: served from the prefix cache,
+    every text that of the solo run, and once idle every page free or evictable (none held)."""
+    soak = load_benchmark("soak")
+    cfg = soak.SoakConfig(requests=48, concurrency=6, cancel_fraction=0.15, max_tokens=8, seed=2, bad_fraction=0.0,
+                          shared_prefix=120)
+    report = soak.run_soak(triton_server.grpc_url, triton_server.http_url, triton_server.metrics_url, cfg,
+                           triton_server.process.pid, log=lambda *_: None)
+    print("\n" + soak.format_report(report))
+    assert report.requests == 48 and report.shared_completed >= 5, report.by_kind
+    assert report.errors == 0 and report.bad_finals == 0 and report.mismatches == 0, report.examples
+    # each shared request finds at least the whole pages of its ~120-token shared prefix (6 pages or more) cached
+    assert report.prefix_hit_tokens >= 96 * report.shared_completed
+    assert report.leaked_pages == 0 and report.cached_pages_after > 0
+    assert report.running_after == 0 and report.waiting_after == 0
+
+
+def test_shared_prefix_templates_share_their_opening():
+    soak_requests = load_benchmark("soak_requests")
+    shared = soak_requests.shared_prefix_templates(8, 50)
+    texts = [t.inputs["text_input"] for t in shared]
+    prefix = texts[0][:len(texts[0]) - len(soak_requests._SHARED_QUESTIONS[0])]
+    assert len(prefix.split()) == 50 and all(t.startswith(prefix) for t in texts) and len(set(texts)) == len(texts)
+    turn2 = soak_requests.next_turn(shared[1], " A keeper.")
+    assert turn2.inputs["text_input"].startswith(texts[1] + " A keeper.") and turn2.inputs["max_tokens"] == 8
+
+
 def test_bad_requests_meet_every_case_and_transport():
     """The plan puts bad requests at even intervals, every case over each of its transports in turn."""
     soak = load_benchmark("soak")
