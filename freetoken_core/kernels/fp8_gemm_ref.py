@@ -23,9 +23,13 @@ def fp8_gemv_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.T
 def fp8_norm_gemv_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
                             eps: float, weight: torch.Tensor, scale_inv: torch.Tensor,
                             bias: torch.Tensor | None = None, gated: bool = False, zero_centered: bool = False,
-                            block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    return norm_gemv_reference(x, residual, norm_weight, eps, dequantize_block_fp8(weight, scale_inv, block), bias,
-                               gated, zero_centered)
+                            block: tuple[int, int] = DEFAULT_BLOCK,
+                            tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """tail: dense rows after the FP8 ones (kernels/fp8_gemv.py `fp8_norm_gemv`)."""
+    w = dequantize_block_fp8(weight, scale_inv, block)
+    if tail is not None:
+        w = torch.cat([w, tail.to(w.dtype)])
+    return norm_gemv_reference(x, residual, norm_weight, eps, w, bias, gated, zero_centered)
 
 
 def per_token_group_quant_fp8_reference(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,17 +157,37 @@ def _fp8_rows(w_ptr, s_row, offs_n, n_ok, k0, K, stride_wn, GROUP_K: tl.constexp
 
 
 @triton.jit
-def _fp8_norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr, N, K, stride_wn, stride_sn,
-                          up_offset, eps, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, NORM: tl.constexpr,
-                          HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                          ZERO_CENTERED: tl.constexpr = False):
+def _fp8_or_tail_rows(w_ptr, s_row, t_ptr, offs_n, n_ok, offs_t, t_ok, in_tail, k0, K, stride_wn, stride_tn,
+                      GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HAS_TAIL: tl.constexpr):
+    # a program's fp32 tile: FP8 rows of the body, or (HAS_TAIL, a program past the body's) dense tail rows
+    if HAS_TAIL:
+        if in_tail:
+            w = _w_tile(t_ptr, offs_t, t_ok, k0, K, stride_tn, BLOCK_K, EVEN_K).to(tl.float32)
+        else:
+            w = _fp8_rows(w_ptr, s_row, offs_n, n_ok, k0, K, stride_wn, GROUP_K, BLOCK_K, EVEN_K)
+    else:
+        w = _fp8_rows(w_ptr, s_row, offs_n, n_ok, k0, K, stride_wn, GROUP_K, BLOCK_K, EVEN_K)
+    return w
+
+
+@triton.jit
+def _fp8_norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr, t_ptr, N, K, stride_wn, stride_sn,
+                          up_offset, eps, n_tail, stride_tn, body_programs, GROUP_N: tl.constexpr,
+                          GROUP_K: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
+                          HAS_TAIL: tl.constexpr = False):
     # norm_gemv._norm_gemv_kernel (no router outputs) with FP8 rows: the tiles are dequantized in registers and go
     # through the same norm/accumulate step. GATED: the up rows start at row up_offset (BLOCK_N divides it, so the
-    # up rows of a program share one scale row too).
+    # up rows of a program share one scale row too). HAS_TAIL: the programs after the body's `body_programs` own
+    # n_tail more output rows (after the N body rows) of a dense weight t [n_tail, K]: a projection whose last rows
+    # the checkpoint keeps in full precision (the GDN in_proj's b and a) in the same launch.
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    in_tail = pid >= body_programs
+    offs_t = (pid - body_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = (offs_t >= 0) & (offs_t < n_tail)
     s_row = s_ptr + ((pid * BLOCK_N) // GROUP_N) * stride_sn
     s_row_up = s_ptr + ((up_offset + pid * BLOCK_N) // GROUP_N) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -175,7 +195,8 @@ def _fp8_norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr
     ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
     k_start = 0
     if USE_PDL:  # as in _fp8_gemv_kernel: the first weight tile(s) and scales load before the wait
-        w = _fp8_rows(w_ptr, s_row, offs_n, n_ok, 0, K, stride_wn, GROUP_K, BLOCK_K, EVEN_K)
+        w = _fp8_or_tail_rows(w_ptr, s_row, t_ptr, offs_n, n_ok, offs_t, t_ok, in_tail, 0, K, stride_wn, stride_tn,
+                              GROUP_K, BLOCK_K, EVEN_K, HAS_TAIL)
         wu = w
         if GATED:
             wu = _fp8_rows(w_ptr, s_row_up, offs_n + up_offset, n_ok, 0, K, stride_wn, GROUP_K, BLOCK_K, EVEN_K)
@@ -184,7 +205,8 @@ def _fp8_norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr
                                           NORM, HAS_RESIDUAL, GATED, BLOCK_K, ZERO_CENTERED)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
-        w = _fp8_rows(w_ptr, s_row, offs_n, n_ok, k0, K, stride_wn, GROUP_K, BLOCK_K, EVEN_K)
+        w = _fp8_or_tail_rows(w_ptr, s_row, t_ptr, offs_n, n_ok, offs_t, t_ok, in_tail, k0, K, stride_wn, stride_tn,
+                              GROUP_K, BLOCK_K, EVEN_K, HAS_TAIL)
         wu = w
         if GATED:
             wu = _fp8_rows(w_ptr, s_row_up, offs_n + up_offset, n_ok, k0, K, stride_wn, GROUP_K, BLOCK_K, EVEN_K)
@@ -204,7 +226,11 @@ def _fp8_norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, s_ptr, b_ptr, y_ptr, h_ptr
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)  # the unfused path's rounding points, as norm_gemv
         up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty).to(tl.float32) * up
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+    if HAS_TAIL:
+        out = tl.where(in_tail, N + offs_t, offs_n)
+        tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=tl.where(in_tail, t_ok, n_ok))
+    else:
+        tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _check_rows(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
@@ -271,29 +297,35 @@ def fp8_rows_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
 def fp8_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
                   weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
                   zero_centered: bool = False, block: tuple[int, int] = DEFAULT_BLOCK, block_n: int | None = None,
-                  block_k: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`norm_gemv.norm_gemv` for a block-FP8 weight: one row, (W RMSNorm(h) [+ b], h) with h = x + residual, in one
-    launch; gated: W is [gate | up] (2I rows, the scale grid of that [2I, K] matrix) and the output silu(gate) * up."""
+    launch; gated: W is [gate | up] (2I rows, the scale grid of that [2I, K] matrix) and the output silu(gate) * up.
+    tail: a dense [T, K] weight (x's dtype) whose T output rows follow W's, computed in the same launch (no bias)."""
     _check_rows(x, weight, scale_inv, block)
     assert x.shape[0] == 1, f"fp8_norm_gemv takes one row, got {x.shape[0]}"
     assert norm_weight is None or norm_weight.shape == (x.shape[1],)
     k = x.shape[1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
+    n_tail = 0 if tail is None else tail.shape[0]
+    if tail is not None:
+        assert not gated and bias is None and tail.shape[1] == k and tail.stride(1) == 1 and tail.dtype == x.dtype
     cfg = {**norm_gemv_config(n, k), **{key: v for key, v in dict(block_n=block_n, block_k=block_k).items() if v}}
     bn, bk = fp8_tile(cfg, block, n if gated else 0)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((1, n + n_tail), dtype=x.dtype, device=x.device)
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(1) == 1
         h = torch.empty_like(x)
     else:
         h = x
-    _fp8_norm_gemv_kernel[(triton.cdiv(n, bn),)](
+    body_programs = triton.cdiv(n, bn)
+    _fp8_norm_gemv_kernel[(body_programs + triton.cdiv(n_tail, bn),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight, scale_inv,
-        bias if bias is not None else x, y, h, n, k, weight.stride(0), scale_inv.stride(0), n, float(eps),
+        bias if bias is not None else x, y, h, tail if tail is not None else x, n, k, weight.stride(0),
+        scale_inv.stride(0), n, float(eps), n_tail, tail.stride(0) if tail is not None else 0, body_programs,
         GROUP_N=block[0], GROUP_K=block[1], NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        ZERO_CENTERED=zero_centered, num_warps=num_warps or cfg["num_warps"],
+        ZERO_CENTERED=zero_centered, HAS_TAIL=tail is not None, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"], **pdl_launch(x),
     )
     return y, h

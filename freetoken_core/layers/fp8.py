@@ -143,6 +143,10 @@ class Fp8Held:
             delattr(self, name + "_scale_inv")
         self.fp8_block = None
 
+    def fp8_dense_tensors(self) -> list[torch.Tensor]:
+        """Weights an FP8-held layer keeps in the compute dtype beside its FP8 ones (none by default)."""
+        return []
+
     def fp8_tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(values, scale_inv) of each FP8-held weight (none when dense)."""
         if self.fp8_block is None:

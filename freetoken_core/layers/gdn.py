@@ -51,23 +51,62 @@ def _ops(x: torch.Tensor):
 
 class GroupedMergedLinear(MergedLinear):
     """A MergedLinear whose segments a checkpoint may store interleaved per key head ("grouped"):
-    rows [g0: seg0 part, seg1 part, ...][g1: ...], part sizes = segment size / groups."""
+    rows [g0: seg0 part, seg1 part, ...][g1: ...], part sizes = segment size / groups.
+
+    Holding block FP8 (Qwen3.5/3.6 checkpoints store q/k/v and z in FP8, b and a in full precision): the first
+    `fp8_segments` segments (the body) are FP8 and the rest a dense `weight_tail` in the compute dtype, which the
+    one-row decode computes in the FP8 launch (kernels/fp8_gemv.py `fp8_norm_gemv` tail). A grouped (Qwen3-Next)
+    checkpoint interleaves its segments per key head, cutting scale blocks: that projection dequantizes."""
+
+    fp8_segments = 4  # q, k, v, z
 
     def __init__(self, in_features: int, out_sizes: list[int], groups: int, dtype: torch.dtype | None = None):
         super().__init__(in_features, out_sizes, bias=False, dtype=dtype)
         if any(s % groups for s in out_sizes):
             raise ValueError(f"segments {out_sizes} do not split into {groups} key-head groups")
         self.groups = groups
+        self.body_rows = sum(out_sizes[: self.fp8_segments])
 
     def fp8_refusal(self, block: tuple[int, int]) -> str | None:
-        # the checkpoints interleave segments per key head (slices that cut scale blocks) and mix FP8 q/k/v/z with
-        # the full-precision a/b rows: this projection dequantizes
-        return "a per-key-head grouped projection"
+        bounds = [sum(self.out_sizes[:i]) for i in range(1, self.fp8_segments + 1)]
+        if any(b % block[0] for b in bounds):
+            return f"a GDN in_proj segment ends inside a {block[0]}-row scale block (rows {bounds})"
+        return None
+
+    def hold_fp8(self, block: tuple[int, int]) -> bool:
+        if self.fp8_refusal(block) is not None:
+            return False
+        self.register_buffer("weight_tail", self.weight.data[self.body_rows:].clone())
+        self.weight.data = self.weight.data[: self.body_rows]
+        return super().hold_fp8(block)
+
+    def drop_fp8(self) -> None:
+        if self.fp8_block is None:
+            return
+        super().drop_fp8()
+        self.weight.data = torch.cat([self.weight.data, self.weight_tail])
+        delattr(self, "weight_tail")
+
+    def fp8_dense_tensors(self) -> list[torch.Tensor]:
+        return [self.weight_tail] if self.fp8_block is not None else []
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = super()._matmul(x, bias)
+        if self.fp8_block is None:
+            return y
+        return torch.cat([y, torch.nn.functional.linear(x, self.weight_tail)], dim=-1)
+
+    def copy_rows(self, param: nn.Parameter, off: int, size: int, loaded: Any) -> None:
+        if self.fp8_block is not None and param is self.weight and off >= self.body_rows:  # b / a: the dense tail
+            copy_checked(self.weight_tail.narrow(0, off - self.body_rows, size), loaded)
+            return
+        super().copy_rows(param, off, size, loaded)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: Any = None) -> list[Any]:
         if isinstance(shard, tuple) and shard and shard[0] == "grouped":  # ("grouped", consecutive segments)
             segs = list(shard[1])
-            loaded = dense_weight(loaded, param)  # per-group slices cut scale blocks: de-interleave the real weight
+            self.drop_fp8()  # per-group slices cut scale blocks: de-interleave the real weight
+            loaded = dense_weight(loaded, param)
             parts = [self.out_sizes[i] // self.groups for i in segs]
             per_group = loaded.view(self.groups, sum(parts), -1).split(parts, dim=1)  # each [G, part, H]
             off = sum(self.out_sizes[: segs[0]])
@@ -77,7 +116,7 @@ class GroupedMergedLinear(MergedLinear):
         if isinstance(shard, tuple):  # consecutive segments stored as one tensor
             off = sum(self.out_sizes[: shard[0]])
             size = sum(self.out_sizes[i] for i in shard)
-            copy_checked(param.data.narrow(0, off, size), loaded)
+            self.copy_rows(param, off, size, loaded)
             return list(shard)
         super().weight_loader(param, loaded, shard)
         return [shard]

@@ -32,7 +32,8 @@ def norm_linear(norm: RMSNorm | ZeroCenteredRMSNorm, linear: Linear, x: torch.Te
         from ..kernels.fp8_gemv import fp8_norm_gemv  # FP8 held: Triton (under the interpreter on CPU)
 
         return fp8_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.weight_scale_inv, linear.bias,
-                             zero_centered=type(norm) is ZeroCenteredRMSNorm, block=linear.fp8_block)
+                             zero_centered=type(norm) is ZeroCenteredRMSNorm, block=linear.fp8_block,
+                             tail=getattr(linear, "weight_tail", None))
     if FUSED and x.is_cuda and type(norm) in (RMSNorm, ZeroCenteredRMSNorm):  # the two norms the kernel implements
         from ..kernels import gemv as triton_gemv, norm_gemv as triton_norm_gemv  # first CUDA use only
 

@@ -114,6 +114,8 @@ def init_dummy_weights_(model: torch.nn.Module, seed: int = 0) -> None:
                 fill_fp8_normal_(values, scale, m.fp8_block, 0.02,
                                  gen.setdefault(values.device, torch.Generator(device=values.device).manual_seed(seed)))
                 fp8_held.add(id(values))
+            for dense in m.fp8_dense_tensors() if isinstance(m, Fp8Held) else []:
+                fill_normal_(dense, 0.02, gen.setdefault(dense.device, torch.Generator(device=dense.device).manual_seed(seed)))
         for name, p in model.named_parameters():
             if id(p) in fp8_held:
                 continue

@@ -96,6 +96,23 @@ def test_fp8_norm_gemv_matches_reference(dtype, gated, n, residual):
     torch.testing.assert_close(h, want_h, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,n_tail", [(256, 8), (136, 40)])  # body ending on a block; a partial last body block
+def test_fp8_norm_gemv_with_a_dense_tail(dtype, n, n_tail):
+    """Rows after the FP8 body from a dense weight in the same launch (the GDN in_proj's full-precision b and a)."""
+    k = 200
+    q, s = fp8_weight(n, k)
+    tail = _randn(n_tail, k, dtype=dtype, seed=5) * 0.05
+    x = _randn(1, k, dtype=dtype, seed=1)
+    r = _randn(1, k, dtype=dtype, seed=2)
+    g = (1.0 + 0.3 * _randn(k, seed=4)).to(dtype)
+    got, h = fp8_norm_gemv(x, r, g, 1e-6, q, s, block_n=16, block_k=64, tail=tail)
+    want, want_h = fp8_norm_gemv_reference(x, r, g, 1e-6, q, s, tail=tail)
+    assert got.shape == (1, n + n_tail)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+
+
 def test_fp8_norm_gemv_zero_centered_with_bias():
     q, s = fp8_weight(64, 256)
     x = _randn(1, 256, seed=1)

@@ -18,7 +18,7 @@ QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dyna
 
 # what the releases quantize: the projections and the expert stacks; not the router (`mlp.gate`), the shared
 # expert's gate, the GDN a/b projections, norms, embeddings, the LM head or the vision tower
-_QUANTIZED = re.compile(r"(_proj\.weight|experts\.gate_up_proj|experts\.down_proj)$")
+_QUANTIZED = re.compile(r"(_proj(_qkvz?|_z)?\.weight|experts\.gate_up_proj|experts\.down_proj)$")
 _KEPT = re.compile(r"in_proj_a\.|in_proj_b\.|in_proj_ba\.|shared_expert_gate|visual")
 
 

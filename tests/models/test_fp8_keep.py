@@ -216,3 +216,27 @@ def test_hybrid_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
     set_keep(monkeypatch, "0")
     llm = LLM(fp8, dtype="float32", page_size=4, max_running_req=2, num_pages=64)
     assert kept == [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def test_qwen3_5_gdn_in_proj_holds_fp8_with_a_dense_tail(tmp_path, monkeypatch):
+    """GDN segments on whole 128-row blocks (key_dim 128, value_dim 256): q/k/v/z stay FP8, b and a (full precision in
+    the checkpoint) a dense tail computed in the same one-row launch; greedy tokens equal the dequantized model's."""
+    from hybrid_checkpoints import make_tiny_hybrid
+
+    plain = make_tiny_hybrid(tmp_path, "qwen3_5_moe", hidden_size=128, moe_intermediate_size=128,
+                             shared_expert_intermediate_size=128, linear_num_key_heads=2, linear_key_head_dim=64,
+                             linear_num_value_heads=4, linear_value_head_dim=64)
+    fp8 = write_fp8_pair(plain)[0]
+    set_keep(monkeypatch, "1")
+    model = load_model(str(fp8), torch.float32, "cpu", progress=False)
+    in_proj = model.get_submodule("model.layers.0.linear_attn.in_proj")
+    assert in_proj.fp8_block is not None and in_proj.weight.shape == (768, 128)
+    assert in_proj.weight_tail.dtype == torch.float32 and in_proj.weight_tail.shape == (8, 128)
+    set_keep(monkeypatch, "0")
+    dense = load_model(str(fp8), torch.float32, "cpu", progress=False)
+    want = dense.get_submodule("model.layers.0.linear_attn.in_proj").weight
+    from freetoken_core.kernels.fp8_ref import dequantize_block_fp8
+
+    got = torch.cat([dequantize_block_fp8(in_proj.weight, in_proj.weight_scale_inv), in_proj.weight_tail])
+    torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same real weight, rows in the same order
+    assert greedy(monkeypatch, fp8, "1", "float32", 1) == greedy(monkeypatch, fp8, "0", "float32", 1)
