@@ -60,7 +60,7 @@ def assert_streams_exact(transport: "RecordingTransport", expected, tokenizer) -
 def stream_through_loop(llm, prompts, params, transport: RecordingTransport, options: LoopOptions) -> RecordingTransport:
     """Stream every prompt through an EngineLoop on llm's scheduler; returns the transport."""
     transport.expected = len(prompts)
-    loop = EngineLoop(llm.scheduler, transport, options)
+    loop = EngineLoop(llm.scheduler, transport, options, owns_scheduler=False)
     loop.start()
     try:
         for i, p in enumerate(prompts):
@@ -117,7 +117,8 @@ def test_nonstream_probes_go_only_to_ensemble_requests_and_end_with_one_final(ll
     ensemble); the real response is the last one, with the only FINAL flag."""
     transport = RecordingTransport(0.0)
     transport.expected = 2
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions(nonstream_probe_interval_s=0.01))
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(nonstream_probe_interval_s=0.01),
+                      owns_scheduler=False)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ids = llm.encode("Write one sentence about cats.")
     loop.start()
@@ -141,7 +142,7 @@ def run_acked_streams(llm, prompts, params, transport: RecordingTransport, optio
     together: every request is in the loop's inbox before its engine thread starts, so all are admitted in one
     step and are in flight at once from the first step to the last (else a busy host may admit the first alone)."""
     transport.expected = len(prompts)
-    loop = EngineLoop(llm.scheduler, transport, options)
+    loop = EngineLoop(llm.scheduler, transport, options, owns_scheduler=False)
     if not together:
         loop.start()
     try:
@@ -242,7 +243,8 @@ def test_a_late_ack_is_waited_for_once_acks_are_known_to_arrive(llm):
     expected = llm.generate(["Hi"], params)[0]
     transport = SlowAfterFirstAck(late_s=1.5)
     transport.expected = 1
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1, ack_timeout_s=0.5, ack_lost_s=30.0))
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1, ack_timeout_s=0.5, ack_lost_s=30.0),
+                      owns_scheduler=False)
     loop.start()
     try:
         loop.submit("h0", ParsedRequest(input_ids=llm.encode("Hi"), params=params, stream=True,
@@ -262,7 +264,8 @@ def test_streams_without_detok_acks_are_not_paced(llm):
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     transport = RecordingTransport(0.0)  # acks nothing
     transport.expected = 1
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1, ack_timeout_s=30.0))
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_inflight=1, ack_timeout_s=30.0),
+                      owns_scheduler=False)
     loop.start()
     try:
         loop.submit("h0", ParsedRequest(input_ids=llm.encode("Hi"), params=params, stream=True,
@@ -336,7 +339,7 @@ def test_max_queued_requests_refuses_at_once_and_frees_as_requests_start(llm):
     naming the limit; the others run; once they started, new requests are taken again."""
     transport = RecordingTransport(0.0)
     transport.expected = 3
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_queued_requests=2))
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(max_queued_requests=2), owns_scheduler=False)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     for i in range(3):  # the engine thread is not running yet: none of them can start
         loop.submit(f"h{i}", ParsedRequest(input_ids=llm.encode("Hello"), params=params, stream=True))

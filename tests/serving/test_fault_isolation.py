@@ -60,7 +60,7 @@ def _req(llm: LLM, text: str, max_tokens: int, seed: int | None = None, stream: 
 def _run(llm: LLM, specs: list[FaultSpec], body, on_fatal=None) -> Recorder:
     rec = Recorder()
     install_fault_hook(llm.scheduler, specs)
-    loop = EngineLoop(llm.scheduler, rec, LoopOptions(), on_device_fatal=on_fatal)
+    loop = EngineLoop(llm.scheduler, rec, LoopOptions(), on_device_fatal=on_fatal, owns_scheduler=False)
     loop.start()
     try:
         body(loop, rec)

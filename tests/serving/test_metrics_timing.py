@@ -124,7 +124,7 @@ def test_no_metric_update_between_a_token_and_its_response(llm):
     pb = FakePbUtils()
     transport = RecordingTransport()
     loop = EngineLoop(llm.scheduler, transport, LoopOptions(metrics_interval_s=60.0, idle_wait_s=0.05),
-                      TritonMetrics(pb, {"model": "freetoken"}))
+                      TritonMetrics(pb, {"model": "freetoken"}), owns_scheduler=False)
     post = loop.sender.post
 
     def logged_post(items):  # what the engine thread hands the sender, in the same log as the metric updates

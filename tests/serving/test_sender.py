@@ -58,7 +58,7 @@ def test_a_streams_first_response_is_timed_once(smollm2_path, monkeypatch):
 
     llm = LLM(smollm2_path, dtype="float32", max_running_req=4)
     transport = Transport()
-    loop = EngineLoop(llm.scheduler, transport, LoopOptions())
+    loop = EngineLoop(llm.scheduler, transport, LoopOptions(), owns_scheduler=False)
     report = loop.sender._report
     loop.start()
     try:

@@ -56,8 +56,11 @@ class ActiveRequest:
 
 class EngineLoop:
     def __init__(self, scheduler: Any, transport: Transport, options: LoopOptions | None = None,
-                 metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None) -> None:
+                 metrics: EngineMetrics | None = None, on_device_fatal: Callable[[str], None] | None = None,
+                 owns_scheduler: bool = True) -> None:
         self.sched = scheduler
+        # stop() closes the scheduler (its engine, process or ranks) unless it is borrowed (an LLM's, which closes it)
+        self.owns_scheduler = owns_scheduler
         # called once (from the engine thread) when the device became unusable (serving/engine_proc/faults.py)
         self.on_device_fatal = on_device_fatal
         self.dead: str | None = None  # why this engine can serve no more (set once, never cleared)
@@ -150,7 +153,8 @@ class EngineLoop:
             self._refuse_queued(handle, "the server is shutting down")
         self.sender.stop(timeout)
         self._cancel_channel.close()
-        self.sched.close()  # the engine process (engine_process.py) or tensor-parallel workers stop with the model
+        if self.owns_scheduler:  # the engine process (engine_process.py) or tensor-parallel workers stop with the model
+            self.sched.close()
         self.metrics.clear_gauges()
 
     # --- engine thread ------------------------------------------------------------------------
