@@ -433,3 +433,23 @@ def test_cached_tokens_of_a_shared_prefix(client):
                                             stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
 
+
+def test_bench_openai_drives_both_sides(triton_server, frontend, tmp_path):
+    """benchmarks/bench_openai.py against the served SmolLM2: each side, at each concurrency, generates exactly
+    requests x output tokens (ignore_eos), and both report a first-token time."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_openai.py"),
+                          "--openai-url", f"http://127.0.0.1:{frontend}/v1", "--grpc-url", triton_server.grpc_url,
+                          "--concurrency", "1,2", "--requests", "4", "--warmup", "1", "--prompt-tokens", "24",
+                          "--output-tokens", "3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())
+    assert sorted((r["side"], r["concurrency"]) for r in results) == [("grpc", 1), ("grpc", 2), ("openai", 1),
+                                                                     ("openai", 2)]
+    assert all(r["requests"] == 4 and r["output_tokens"] == 12 and r["tok_s"] > 0 for r in results), results
+    assert all(0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] for r in results), results
+    assert "| 2 |" in run.stdout and "OpenAI / gRPC" in run.stdout
