@@ -110,7 +110,11 @@ def test_chat_streamed_equals_non_streamed_equals_ensemble(client, triton_server
     assert text and streamed == text
     assert text == _ensemble_text(triton_server, messages=json.dumps(CHAT), max_tokens=24)
     assert finish == full.choices[0].finish_reason in ("stop", "length")
-    assert full.usage.model_dump() == usage.model_dump()
+    # the same chat again: its streamed usage counts the prefix pages (16 tokens) the first request left cached
+    cached = usage.prompt_tokens_details.cached_tokens
+    details = {"prompt_tokens_details"}
+    assert full.usage.model_dump(exclude=details) == usage.model_dump(exclude=details)
+    assert full.usage.prompt_tokens // 16 * 16 - 16 <= cached < full.usage.prompt_tokens and cached > 0
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
     assert full.object == "chat.completion" and full.id.startswith("chatcmpl-") and full.model == MODEL
 
@@ -410,3 +414,42 @@ def test_prompt_counts_match_the_engine_for_the_default_max_tokens(client, trito
     assert model.text_prompt_tokens(PROMPT) == text.usage.prompt_tokens
     assert model.default_max_tokens(1000) == 24 and model.default_max_tokens(10) == 512
     assert model.tool_format is None and model.starts_in_reasoning is None  # SmolLM2's template has neither
+
+
+def test_cached_tokens_of_a_shared_prefix(client):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a prompt the cache has never seen, and at least the full
+    pages (16 tokens, conftest) of the prefix a second prompt shares with it, non-streamed and in the usage chunk."""
+    import uuid
+
+    # a prefix no other test sends (the cache lives as long as the server), long enough for several full pages
+    shared = f"Notes {uuid.uuid4().hex}: " + " ".join(f"item {i} is a small red box." for i in range(12))
+    first = client.completions.create(model=MODEL, prompt=shared + " The first", max_tokens=2)
+    assert first.usage.prompt_tokens >= 64
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL, prompt=shared + " The second", max_tokens=2)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens // 16 * 16 - 16 <= cached < second.usage.prompt_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=shared + " The third", max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
+def test_bench_openai_drives_both_sides(triton_server, frontend, tmp_path):
+    """benchmarks/bench_openai.py against the served SmolLM2: each side, at each concurrency, generates exactly
+    requests x output tokens (ignore_eos), and both report a first-token time."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_openai.py"),
+                          "--openai-url", f"http://127.0.0.1:{frontend}/v1", "--grpc-url", triton_server.grpc_url,
+                          "--concurrency", "1,2", "--requests", "4", "--warmup", "1", "--prompt-tokens", "24",
+                          "--output-tokens", "3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())
+    assert sorted((r["side"], r["concurrency"]) for r in results) == [("grpc", 1), ("grpc", 2), ("openai", 1),
+                                                                     ("openai", 2)]
+    assert all(r["requests"] == 4 and r["output_tokens"] == 12 and r["tok_s"] > 0 for r in results), results
+    assert all(0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] for r in results), results
+    assert "| 2 |" in run.stdout and "OpenAI / gRPC" in run.stdout

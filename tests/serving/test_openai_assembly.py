@@ -30,10 +30,11 @@ def qwen_like(smollm2_path) -> ServedModel:
                        max_tokens_limit=None, tool_format="hermes", starts_in_reasoning=False)
 
 
-def _steps(text: str, size: int, reason: str = "stop") -> list[EnsembleStep]:
+def _steps(text: str, size: int, reason: str = "stop", cached: int | None = 16) -> list[EnsembleStep]:
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     return [EnsembleStep(text=p, token_ids=(1,), logprobs=(), num_input_tokens=20, num_output_tokens=i + 1,
-                         finish_reason=reason if i == len(pieces) - 1 else "") for i, p in enumerate(pieces)]
+                         num_cached_tokens=cached, finish_reason=reason if i == len(pieces) - 1 else "")
+            for i, p in enumerate(pieces)]
 
 
 async def _aiter(steps):
@@ -67,7 +68,8 @@ def test_reasoning_and_tool_call_streamed_equals_whole(qwen_like, size):
     assert msg["content"] == "Let me look.\n"
     assert [c["function"] for c in msg["tool_calls"]] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert body["choices"][0]["finish_reason"] == "tool_calls"
-    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": len(steps), "total_tokens": 20 + len(steps)}
+    assert body["usage"] == {"prompt_tokens": 20, "completion_tokens": len(steps), "total_tokens": 20 + len(steps),
+                             "prompt_tokens_details": {"cached_tokens": 16}}
 
     events = _streamed(qwen_like, req, steps)
     assert events[-1] == "data: [DONE]\n\n"
@@ -87,6 +89,29 @@ def test_reasoning_and_tool_call_streamed_equals_whole(qwen_like, size):
         assert len(calls) > 5
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+
+
+def test_completion_usage_carries_cached_tokens_streamed_and_whole(qwen_like):
+    """usage.prompt_tokens_details.cached_tokens as OpenAI shapes it, in the whole answer and in the streamed usage
+    chunk; a server that sent no num_cached_tokens reads as 0 cached."""
+    completions = pytest.importorskip("openai.types")
+    from freetoken_core.serving.openai.completions import completion, completion_stream
+    from freetoken_core.serving.openai.protocol import CompletionRequest
+
+    for cached in (48, None):
+        steps = _steps("Paris is the capital.", 4, reason="length", cached=cached)
+        fields = {"model": "qwen-like", "prompt": "The capital of France is", "max_tokens": len(steps)}
+        req = CompletionRequest(**fields)
+        body = asyncio.run(completion(req, qwen_like, steps[0], _aiter(steps[1:])))
+        usage = completions.Completion.model_validate(body).usage
+        assert usage.prompt_tokens_details.cached_tokens == (cached or 0) and usage.prompt_tokens == 20
+
+        async def stream():
+            streamed = CompletionRequest(**fields, stream=True, stream_options={"include_usage": True})
+            return [e async for e in completion_stream(streamed, qwen_like, steps[0], _aiter(steps[1:]))]
+
+        last = json.loads(asyncio.run(stream())[-2][len("data: "):])
+        assert last["choices"] == [] and last["usage"] == body["usage"]
 
 
 def test_tool_choice_none_keeps_the_block_as_text(qwen_like):

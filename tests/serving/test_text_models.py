@@ -116,6 +116,30 @@ def test_slim_ensemble_response_is_one_tensor_and_decodes_like_the_full_one(tok)
         read_ensemble_meta(np.array([1, 2, 3], np.int32))
 
 
+def test_num_cached_tokens_reaches_the_ensemble_output_only_when_asked(tok):
+    """num_cached_tokens rides in the slim response's meta header and comes out of the detokenizer as
+    num_cached_tokens_out, as from the full response; the request's default (not asked) leaves it out of both."""
+    from freetoken_core.messages import DetokenizeMsg
+    from freetoken_core.serving.triton.request import parse_request
+    from freetoken_core.serving.triton.response import build_ensemble_outputs, build_outputs, read_ensemble_meta
+
+    ids = tok.encode("The prefix cache served most of this prompt.")
+    msg = DetokenizeMsg(uid=3, next_tokens=ids[2:], finished=True, finish_reason="stop", num_prompt_tokens=70,
+                        num_output_tokens=len(ids), num_cached_tokens=48)
+    text_in = {"input_ids": np.array([1, 2, 3], np.int32)}
+    asked = parse_request({**text_in, "return_num_cached_tokens": np.array([True])}).omit_outputs
+    default = parse_request(text_in).omit_outputs
+    slim = build_ensemble_outputs(msg, ids[2:], None, ids[:2], "", "", omit=asked, ack=(1, 3, 0))
+    meta = read_ensemble_meta(slim["meta"])
+    assert (meta.num_cached_tokens, meta.num_output_tokens, meta.ack) == (48, len(ids), (1, 3, 0))
+    for out in (detokenize_response(tok, slim), detokenize_response(tok, build_outputs(msg, ids[2:], None, ids[:2],
+                                                                                         "", "", omit=asked))):
+        assert out["num_cached_tokens_out"].tolist() == [48] and out["num_input_tokens_out"].tolist() == [70]
+    for out in (build_ensemble_outputs(msg, ids[2:], None, ids[:2], "", "", omit=default),
+                build_outputs(msg, ids[2:], None, ids[:2], "", "", omit=default)):
+        assert "num_cached_tokens_out" not in detokenize_response(tok, out)
+
+
 def test_detokenizer_refuses_ids_outside_the_vocabulary(tok):
     """A direct detokenizer call with ids no token has gets an error naming the id and the size, not empty text;
     padding ids of the model's vocabulary (past the tokenizer's) still decode, to nothing."""

@@ -20,7 +20,9 @@ from tritonclient.utils import np_to_triton_dtype
 
 ENSEMBLE_MODEL = "ensemble"
 # What each OpenAI request asks of every response: the finish reason ends the stream; the counts become `usage`
-ALWAYS_RETURNED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens")
+# (num_cached_tokens: usage.prompt_tokens_details.cached_tokens)
+ALWAYS_RETURNED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                   "return_num_cached_tokens")
 
 
 class EngineError(Exception):
@@ -99,6 +101,7 @@ class EnsembleStep:
     finish_reason: str  # "" until the last response
     num_input_tokens: int | None
     num_output_tokens: int | None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token: (id, logprob), best first
 
 
@@ -120,15 +123,20 @@ def read_step(result: Any) -> EnsembleStep:
     ids = arr("next_tokens")
     lps = arr("logprobs")
     reason = arr("finish_reason")
-    n_in, n_out = arr("num_input_tokens"), arr("num_output_tokens")
+
+    def count(name: str) -> int | None:
+        a = arr(name)
+        return int(a.reshape(-1)[0]) if a is not None and a.size else None
+
     return EnsembleStep(
         text="".join(v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in text.reshape(-1))
         if text is not None else "",
         token_ids=tuple(int(t) for t in ids.reshape(-1)) if ids is not None else (),
         logprobs=tuple(float(x) for x in lps.reshape(-1)) if lps is not None else (),
         finish_reason=(reason.reshape(-1)[0].decode() if reason is not None and reason.size else ""),
-        num_input_tokens=int(n_in.reshape(-1)[0]) if n_in is not None and n_in.size else None,
-        num_output_tokens=int(n_out.reshape(-1)[0]) if n_out is not None and n_out.size else None,
+        num_input_tokens=count("num_input_tokens"),
+        num_output_tokens=count("num_output_tokens"),
+        num_cached_tokens=count("num_cached_tokens"),
         top_logprobs=_top_logprobs(arr("top_logprob_ids"), arr("top_logprobs"), ids.size if ids is not None else 0),
     )
 

@@ -25,6 +25,7 @@ class Tally:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str = ""
 
     def add(self, step: EnsembleStep) -> None:
@@ -32,11 +33,13 @@ class Tally:
             self.prompt_tokens = step.num_input_tokens
         if step.num_output_tokens is not None:
             self.completion_tokens = step.num_output_tokens
+        if step.num_cached_tokens is not None:
+            self.cached_tokens = step.num_cached_tokens
         if step.finish_reason:
             self.finish_reason = step.finish_reason
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def openai_finish_reason(self, tool_calls: bool = False) -> str:
         if self.finish_reason == "length":

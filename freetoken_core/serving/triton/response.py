@@ -71,14 +71,14 @@ def build_outputs(
 # The slim ensemble response is ONE int32 tensor, `meta` (issue 13: the cost of a response follows its
 # tensor count, not its bytes: each tensor is a pb.Tensor to build in the stub, a shared-memory block to
 # send, an output for the server and an input of the detokenizer's request). Layout: a header of
-# META_HEADER values [flags, num_input_tokens, num_output_tokens, engine id, uid, seq, order slot (-1:
-# none), len(context), len(next_tokens), route tag (2 values)], then the context window's tokens, then
+# META_HEADER values [flags, num_input_tokens, num_output_tokens, num_cached_tokens, engine id, uid, seq, order
+# slot (-1: none), len(context), len(next_tokens), route tag (2 values)], then the context window's tokens, then
 # next_tokens. The route tag proves the response comes from this server's engine (serving/triton/ensemble_secret.py).
-META_HEADER = 11
+META_HEADER = 12
 # meta[0] bits
 META_FINISHED = 1
-META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8}
-META_ACK = 16  # meta[3:6] name a response the detokenizer acks (engine id, uid, seq)
+META_OMIT = {"finish_reason": 2, "num_input_tokens": 4, "num_output_tokens": 8, "num_cached_tokens": 64}
+META_ACK = 16  # meta[4:7] name a response the detokenizer acks (engine id, uid, seq)
 META_LOGPROBS = 32  # the client asked for logprobs: the detokenizer sends a logprobs output (else none at all)
 
 
@@ -89,6 +89,7 @@ class EnsembleMeta:
     flags: int
     num_input_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int
     ack: tuple[int, int, int] | None
     slot: int  # the stream's slot in the engine's order table, -1: none
     context_tokens: np.ndarray
@@ -112,12 +113,12 @@ def read_ensemble_meta(meta: np.ndarray) -> EnsembleMeta:
     m = np.asarray(meta, dtype=np.int32).reshape(-1)
     if m.size < META_HEADER:
         raise ValueError(f"meta holds {m.size} values, fewer than its {META_HEADER}-value header")
-    flags, n_in, n_out, engine, uid, seq, slot, n_ctx, n_new, tag0, tag1 = m[:META_HEADER].tolist()
+    flags, n_in, n_out, n_cached, engine, uid, seq, slot, n_ctx, n_new, tag0, tag1 = m[:META_HEADER].tolist()
     if n_ctx < 0 or n_new < 0 or META_HEADER + n_ctx + n_new != m.size:
         raise ValueError(f"meta holds {m.size} values, but its header says {META_HEADER} + {n_ctx} context "
                          f"+ {n_new} new tokens")
     ack = (engine, uid, seq) if flags & META_ACK else None
-    return EnsembleMeta(flags, n_in, n_out, ack, slot, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:],
+    return EnsembleMeta(flags, n_in, n_out, n_cached, ack, slot, m[META_HEADER:META_HEADER + n_ctx], m[META_HEADER + n_ctx:],
                         (tag0, tag1))
 
 
@@ -159,8 +160,8 @@ def build_ensemble_outputs(
     n_ctx, n_new = len(context_tokens), len(next_tokens)
     meta = np.empty(META_HEADER + n_ctx + n_new, dtype=np.int32)
     slot = order_slot if ack is not None and order_slot is not None else -1
-    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, engine, uid, seq, slot, n_ctx, n_new,
-                          *route_tag)
+    meta[:META_HEADER] = (flags, msg.num_prompt_tokens, msg.num_output_tokens, msg.num_cached_tokens, engine, uid,
+                          seq, slot, n_ctx, n_new, *route_tag)
     meta[META_HEADER:META_HEADER + n_ctx] = context_tokens
     meta[META_HEADER + n_ctx:] = next_tokens
     out = {"meta": meta}

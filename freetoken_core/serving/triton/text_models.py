@@ -167,6 +167,8 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray],
             passthrough["num_input_tokens_out"] = np.array([m.num_input_tokens], dtype=np.uint32)
         if not m.flags & META_OMIT["num_output_tokens"]:
             passthrough["num_output_tokens_out"] = np.array([m.num_output_tokens], dtype=np.uint32)
+        if not m.flags & META_OMIT["num_cached_tokens"]:  # sent only when the client asked for it
+            passthrough["num_cached_tokens_out"] = np.array([m.num_cached_tokens], dtype=np.uint32)
     else:
         if "next_tokens" not in tensors:
             raise ValueError("an engine response without next_tokens or meta")
@@ -179,7 +181,7 @@ def detokenize_response(tok: Tokenizer, tensors: Mapping[str, np.ndarray],
         # leaves them out of its response too (Triton 2.51 skips an ensemble output no step produced).
         if "finish_reason" in tensors:
             passthrough["finish_reason_out"] = np.asarray(tensors["finish_reason"]).reshape(1).astype(np.object_)
-        for name in ("num_input_tokens", "num_output_tokens"):
+        for name in ("num_input_tokens", "num_output_tokens", "num_cached_tokens"):
             if name in tensors:
                 passthrough[f"{name}_out"] = np.asarray(tensors[name], dtype=np.uint32).reshape(1)
     params = tensors.get("detok_params")

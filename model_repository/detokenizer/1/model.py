@@ -24,7 +24,7 @@ from freetoken_core.serving.triton.text_models import (
 from freetoken_core.serving.triton.triton_io import respond_each, model_tokenizer, send_each
 
 INPUTS = ("next_tokens", "context_tokens", "finished", "finish_reason", "stop_reason", "num_input_tokens",
-          "num_output_tokens", "logprobs", "top_logprobs", "top_logprob_ids", "prompt_text", "detok_params", "cancel_key", "probe", "meta")
+          "num_output_tokens", "num_cached_tokens", "logprobs", "top_logprobs", "top_logprob_ids", "prompt_text", "detok_params", "cancel_key", "probe", "meta")
 
 
 class TritonPythonModel:

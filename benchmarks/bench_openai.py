@@ -1,0 +1,253 @@
+"""The OpenAI-compatible API against the gRPC ensemble it fronts: the same closed-loop streaming load on each.
+
+    freetoken-core serve --grpc-port 8001 &          # the OpenAI API listens on 9000
+    python benchmarks/bench_openai.py --grpc-url 127.0.0.1:8001 --openai-url http://127.0.0.1:9000/v1
+    python benchmarks/bench_openai.py --serve-shape llama-3.2-1b --param device=cuda --param dtype=bfloat16 \
+        --param max_running_req=64 --concurrency 1,16,64 --requests 256 --output-tokens 128
+
+--serve-shape SHAPE (benchmarks/bench_serving.py SHAPES: random weights, SmolLM2's tokenizer) or --serve-model DIR
+starts tritonserver and the OpenAI API itself, as `freetoken-core serve` does (--param NAME=VALUE as its), and
+stops both at the end (their logs: freetoken-bench-openai-*.log in the temporary directory).
+
+N clients per side, each sending its next request when its previous one finished (a closed loop): streaming
+/v1/completions through the official `openai` async client on one side, streaming ensemble requests over
+tritonclient's asyncio gRPC (the frontend's own EnsembleClient, serving/openai/ensemble_client.py) on the other.
+Both send the same prompts (~--prompt-tokens tokens), --output-tokens with ignore_eos, so both generate exactly
+requests x output-tokens tokens. Each prompt starts with its own tag, so that no request is served from the prefix
+cache that an earlier one (or the other side) filled. Prints per side output tok/s and TTFT p50/p90 (time to the
+first token-carrying response), and the ratio OpenAI / gRPC; --json writes the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Awaitable, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench_serving import SHAPES  # noqa: E402 (benchmarks/ on the path first)
+
+
+@dataclass(frozen=True)
+class SideResult:
+    """One side's run at one concurrency: what it generated, how fast, and its first-token times."""
+
+    side: str
+    concurrency: int
+    requests: int
+    output_tokens: int  # all requests together, as the server counted them
+    seconds: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+# one request: prompt -> (seconds to its first token, output tokens)
+OneRequest = Callable[[str], Awaitable[tuple[float, int]]]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of values, linear between the nearest ranks."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+async def closed_loop(one: OneRequest, prompts: list[str], concurrency: int) -> tuple[float, list[tuple[float, int]]]:
+    """`concurrency` clients take the prompts in order, each its next one when its previous request finished.
+    Returns (wall seconds, (ttft, tokens) per request)."""
+    queue = list(reversed(prompts))
+    results: list[tuple[float, int]] = []
+
+    async def client() -> None:
+        while queue:
+            results.append(await one(queue.pop()))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(min(concurrency, len(prompts)))))
+    return time.perf_counter() - t0, results
+
+
+def openai_request(client, model: str, max_tokens: int) -> OneRequest:
+    async def one(prompt: str) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        ttft, tokens = None, 0
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if ttft is None and any(c.text for c in chunk.choices):
+                ttft = time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+    return one
+
+
+def grpc_request(client, max_tokens: int) -> OneRequest:
+    from freetoken_core.serving.openai.ensemble_client import EnsembleRequest
+
+    async def one(prompt: str) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        ttft, tokens = None, 0
+        async for step in client.generate(EnsembleRequest(text_input=prompt, max_tokens=max_tokens, ignore_eos=True)):
+            if ttft is None and step.token_ids:
+                ttft = time.perf_counter() - t0
+            tokens += len(step.token_ids)
+        return (ttft if ttft is not None else time.perf_counter() - t0), tokens
+    return one
+
+
+async def run_side(side: str, one: OneRequest, prompts: list[str], concurrency: int, warmup: int) -> SideResult:
+    tagged = [f"[{side} {concurrency} {i:05d}] {p}" for i, p in enumerate(prompts)]
+    await closed_loop(one, [f"[{side} {concurrency} warm {i}] {p}" for i, p in enumerate(prompts[:warmup])],
+                      concurrency)
+    seconds, results = await closed_loop(one, tagged, concurrency)
+    ttfts = [1e3 * t for t, _ in results]
+    return SideResult(side, concurrency, len(results), sum(n for _, n in results), seconds,
+                      percentile(ttfts, 0.5), percentile(ttfts, 0.9))
+
+
+async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult]:
+    import openai
+
+    from freetoken_core.serving.openai.ensemble_client import EnsembleClient
+
+    oa = openai.AsyncOpenAI(base_url=args.openai_url, api_key=args.api_key, max_retries=0, timeout=args.timeout)
+    grpc = EnsembleClient(args.grpc_url)
+    model = args.model or (await oa.models.list()).data[0].id
+    results = []
+    try:
+        for c in args.concurrency:
+            n = args.requests or 4 * c
+            batch = [prompts[i % len(prompts)] for i in range(n)]
+            warmup = min(n, max(2, c)) if args.warmup is None else args.warmup
+            for side in args.sides:
+                one = openai_request(oa, model, args.output_tokens) if side == "openai" else \
+                    grpc_request(grpc, args.output_tokens)
+                r = await run_side(side, one, batch, c, warmup)
+                print(f"concurrency {c}: {side:6s} {r.tok_s:9.1f} output tok/s, TTFT p50 {r.ttft_p50_ms:.1f} ms "
+                      f"p90 {r.ttft_p90_ms:.1f} ms ({r.requests} requests, {r.output_tokens} tokens)", flush=True)
+                results.append(r)
+    finally:
+        await grpc.close()
+        await oa.close()
+    return results
+
+
+def table(results: list[SideResult]) -> str:
+    by = {(r.concurrency, r.side): r for r in results}
+    lines = ["| concurrency | gRPC tok/s | OpenAI tok/s | OpenAI / gRPC | gRPC TTFT p50 / p90 ms | "
+             "OpenAI TTFT p50 / p90 ms |", "|---|---|---|---|---|---|"]
+    for c in sorted({r.concurrency for r in results}):
+        g, o = by.get((c, "grpc")), by.get((c, "openai"))
+        ratio = f"{o.tok_s / g.tok_s:.3f}" if g and o else "-"
+        lines.append(f"| {c} | {f'{g.tok_s:.1f}' if g else '-'} | {f'{o.tok_s:.1f}' if o else '-'} | {ratio} | "
+                     f"{f'{g.ttft_p50_ms:.1f} / {g.ttft_p90_ms:.1f}' if g else '-'} | "
+                     f"{f'{o.ttft_p50_ms:.1f} / {o.ttft_p90_ms:.1f}' if o else '-'} |")
+    return "\n".join(lines)
+
+
+def start_served(args: argparse.Namespace):
+    """tritonserver + the OpenAI API on free ports, as `freetoken-core serve` starts them; returns the handle (its
+    stop() stops both) and sets args.grpc_url / args.openai_url / args.model_path to them."""
+    import tempfile
+    from pathlib import Path
+
+    from bench_serving import shape_model_dir
+
+    from freetoken_core.models.gguf import default_model_path
+    from freetoken_core.serving.launch.server import free_ports, start_server
+    from freetoken_core.serving.openai.process import FrontendOptions, start_frontend
+
+    overrides = dict(pair.split("=", 1) for pair in args.param)
+    model = args.serve_model
+    if args.serve_shape:
+        model = shape_model_dir(args.serve_shape, args.model_path or default_model_path())
+        overrides["load_format"] = "dummy"
+    overrides["model_path"] = args.model_path = model
+    logs = Path(tempfile.gettempdir())
+    handle = start_server(overrides, ready_timeout=900, log_path=logs / "freetoken-bench-openai-tritonserver.log")
+    try:
+        port = free_ports(1)[0]
+        handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir, FrontendOptions(port=port, host="127.0.0.1"),
+                                         log_path=logs / "freetoken-bench-openai-frontend.log",
+                                         metrics_url=handle.metrics_url)
+    except BaseException:
+        handle.stop()
+        raise
+    args.grpc_url, args.openai_url = handle.grpc_url, f"http://127.0.0.1:{port}/v1"
+    print(f"serving {model} {overrides}: gRPC {args.grpc_url}, OpenAI {args.openai_url}", flush=True)
+    return handle
+
+
+def concurrency_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency wants positive integers separated by commas, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--openai-url", default="http://127.0.0.1:9000/v1", help="the OpenAI API's base URL")
+    p.add_argument("--grpc-url", default=None, help="Triton's gRPC address (host:port), the ensemble behind it")
+    served = p.add_mutually_exclusive_group()
+    served.add_argument("--serve-shape", choices=sorted(SHAPES), default=None,
+                        help="serve random weights of this shape here (instead of --grpc-url / --openai-url)")
+    served.add_argument("--serve-model", default=None, help="serve this model directory here")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --serve-*: a serving parameter, as `freetoken-core serve --param` (repeatable)")
+    p.add_argument("--model", default=None, help="the served model's name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default="unused", help="the frontend's --api-key, if it has one")
+    p.add_argument("--model-path", default=None,
+                   help="a directory with the served model's tokenizer, to size the prompts (default: SmolLM2)")
+    p.add_argument("--concurrency", type=concurrency_list, default=[1, 16, 64], help="e.g. 1,16,64")
+    p.add_argument("--requests", type=int, default=None, help="timed requests per side and concurrency (4 x it)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed requests first (default: max(2, concurrency))")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--sides", nargs="+", choices=["grpc", "openai"], default=["grpc", "openai"])
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--json", default=None, help="also write the results to this file")
+    args = p.parse_args(argv)
+    if bad := [pair for pair in args.param if "=" not in pair]:
+        p.error(f"--param wants NAME=VALUE, got {bad[0]!r}")
+    if not (args.grpc_url or args.serve_shape or args.serve_model):
+        p.error("give --grpc-url (and --openai-url) of a running server, or --serve-shape / --serve-model")
+
+    from bench_serving import make_prompts
+
+    from freetoken_core.models.gguf import default_model_path
+    from freetoken_core.tokenizer.tokenize import load_tokenizer
+
+    handle = start_served(args) if args.serve_shape or args.serve_model else None
+    try:
+        prompts = make_prompts(load_tokenizer(args.model_path or default_model_path()), 64, args.prompt_tokens)
+        results = asyncio.run(bench(args, prompts))
+    finally:
+        if handle is not None:
+            handle.stop()
+    print(f"\n~{args.prompt_tokens} prompt / {args.output_tokens} output tokens (ignore_eos), streaming, closed loop")
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{**asdict(r), "tok_s": r.tok_s} for r in results], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
