@@ -13,7 +13,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..config import EngineConfig, SamplingParams
@@ -35,25 +34,13 @@ class _Pending:
     rows_by_uid: dict[int, int]  # sampled row of each request in this step
 
 
-def has_tokenizer_files(model_path: str) -> bool:
-    p = Path(model_path)
-    return (p / "tokenizer.json").exists() or (p / "tokenizer_config.json").exists() or (p / "tokenizer.model").exists()
-
-
-def config_eos_ids(hf_config: Any) -> set[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, engine: Engine | None = None, tokenizer: Any = None) -> None:
         self.config = config
         self.engine = engine or Engine(config)
-        if tokenizer is None and has_tokenizer_files(config.model_path):
-            from ..tokenizer.tokenize import load_tokenizer
+        from ..tokenizer.tokenize import config_eos_ids, has_tokenizer_files, load_tokenizer
 
+        if tokenizer is None and has_tokenizer_files(config.model_path):
             tokenizer = load_tokenizer(config.model_path)
         self.tokenizer = tokenizer  # None for token-in/token-out models without tokenizer files
         self.eos_token_ids: set[int] = (

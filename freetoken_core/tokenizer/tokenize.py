@@ -64,16 +64,30 @@ def config_vocab_size(model_dir: str) -> int:
     return int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size") or 0)
 
 
+def _eos_list(eos: Any) -> list[int]:
+    """An eos_token_id setting: an int, a list, or absent (many chat models list several)."""
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
 def _generation_config_eos(model_dir: str) -> list[int]:
-    """eos_token_id of generation_config.json: an int, a list, or absent (many chat models list several)."""
+    """eos_token_id of generation_config.json."""
     cfg_path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(cfg_path):
         return []
     with open(cfg_path, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        return _eos_list(json.load(f).get("eos_token_id"))
+
+
+def config_eos_ids(hf_config: Any) -> set[int]:
+    """eos_token_id of a loaded model config (token-in/token-out models without tokenizer files)."""
+    return set(_eos_list(getattr(hf_config, "eos_token_id", None)))
+
+
+def has_tokenizer_files(model_path: str) -> bool:
+    return any(os.path.exists(os.path.join(model_path, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
 
 
 @dataclass
