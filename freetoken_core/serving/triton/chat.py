@@ -71,12 +71,16 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "doc
                                        "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def _json_input(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+
+
 def parse_chat_tools(text: str) -> list[dict[str, Any]]:
     """The `tools` input (OpenAI's tools as a JSON list) -> the list the chat template renders."""
-    try:
-        tools = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"tools is not valid JSON: {e}") from None
+    tools = _json_input("tools", text)
     if not isinstance(tools, list):
         raise ValueError("tools must be a JSON list of {\"type\": \"function\", \"function\": {...}} objects")
     for i, tool in enumerate(tools):
@@ -93,10 +97,7 @@ def parse_chat_tools(text: str) -> list[dict[str, Any]]:
 def parse_chat_template_kwargs(text: str) -> dict[str, Any]:
     """The `chat_template_kwargs` input (a JSON object, e.g. {"enable_thinking": false}) -> the template's
     extra variables."""
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"chat_template_kwargs is not valid JSON: {e}") from None
+    kwargs = _json_input("chat_template_kwargs", text)
     if not isinstance(kwargs, dict):
         raise ValueError("chat_template_kwargs must be a JSON object of template variables")
     reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
