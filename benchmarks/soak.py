@@ -9,13 +9,15 @@ each run alone first (the "solo" reference).
 
 Reports: requests, errors among the good requests, requests with != 1 FINAL, output mismatches against
 the solo run (fp32: must be 0; in bf16 batch-dependent kernels may legitimately change greedy output, so
-there it is information), bad requests refused clearly, KV pages leaked (from /metrics, once idle), RSS of
-tritonserver, each stub and the engine process (the `freetoken` stub's child) sampled every 5% of the run,
-with the growth over the last 80%, p50/p99 latency. Exit status 0 when the issue-52 targets hold: no error
-among good requests, no mismatch, every bad request refused clearly, no page leaked, engine RSS growth
-over the last 80% under --max-engine-rss-growth. `--shared-prefix N` adds templates that open with one shared
-prefix of about N tokens and their second turns (prompt + solo reply + a question), so prefix-cache hits run
-under the same checks; "no page leaked" then means free + evictable cached pages == the pool (wait_idle).
+there it is information), bad requests refused clearly, KV pages and (hybrids) linear-state snapshot slots
+leaked (from /metrics, once idle), RSS of tritonserver, each stub and the engine process (the `freetoken`
+stub's child) sampled every 5% of the run, with the growth over the last 80%, p50/p99 latency. Exit status 0
+when the issue-52 targets hold: no error among good requests, no mismatch, every bad request refused clearly,
+no page or snapshot slot leaked, engine RSS growth over the last 80% under --max-engine-rss-growth.
+`--shared-prefix N` adds templates that open with one shared prefix of about N tokens and their second turns
+(prompt + solo reply + a question), so prefix-cache hits run under the same checks; "no page leaked" then
+means free + evictable cached pages == the pool, and free + cached snapshot slots == the snapshot pool
+(wait_idle).
 
     python benchmarks/soak.py --requests 10000 --concurrency 8 --max-tokens 8     # cancels 10%, bad 1%
     python benchmarks/soak.py --requests 2000 --shared-prefix 500   # + chats sharing a prefix, and their 2nd turns
@@ -114,6 +116,8 @@ class SoakReport:
     bad_unclear: int  # bad requests accepted, or refused by an error that does not name the field
     leaked_pages: float  # pages neither free nor evictable once idle
     cached_pages_after: float  # evictable: the prefix cache's pages, held by no request once idle
+    leaked_snapshot_slots: float  # hybrids: linear-state snapshot slots neither free nor evictable once idle
+    snapshot_slots: float  # hybrids: the snapshot pool's slots (0: an attention-only model)
     prefix_hit_tokens: float  # prompt tokens served from the prefix cache during the run
     shared_completed: int  # completed requests of the shared-prefix templates and their second turns
     running_after: float
@@ -157,21 +161,29 @@ def make_plan(cfg: SoakConfig, templates: list[Template]) -> list[tuple[str, Tem
 
 
 def wait_idle(metrics_url: str, timeout: float = 120.0) -> dict[str, float]:
-    """Until nothing runs or waits and every page is free (or the timeout); returns the last scrape.
+    """Until nothing runs or waits and every page and snapshot slot is free (or the timeout); returns the last
+    scrape.
 
     With prefix caching the free list alone no longer refills the pool: finished requests' pages stay cached.
     The engine's free-pages gauge counts the cached pages no request holds (evicted on demand), so the idle
     invariant is free list + evictable cached pages == pool, i.e. free == total, with every cached page among
-    them."""
+    them; a hybrid's snapshot slots likewise (cached snapshots are never held, all evictable)."""
     deadline = time.monotonic() + timeout
     m = scrape(metrics_url)
     while time.monotonic() < deadline:
         m = scrape(metrics_url)
         if (not m.get("freetoken_num_requests_running") and not m.get("freetoken_num_requests_waiting")
-                and m.get("freetoken_kv_cache_free_pages") == m.get("freetoken_kv_cache_total_pages")):
+                and m.get("freetoken_kv_cache_free_pages") == m.get("freetoken_kv_cache_total_pages")
+                and not leaked_snapshot_slots(m)):
             break
         time.sleep(0.2)
     return m
+
+
+def leaked_snapshot_slots(m: dict[str, float]) -> float:
+    """Snapshot slots neither free nor evictable (meaningful once idle; 0 on attention-only models)."""
+    total = m.get("freetoken_prefix_cache_snapshot_slots_total", 0)
+    return total - m.get("freetoken_prefix_cache_snapshot_slots_free", 0)
 
 
 def run_soak(grpc_url: str, http_url: str, metrics_url: str, cfg: SoakConfig, server_pid: int | None = None,
@@ -258,6 +270,8 @@ def run_soak(grpc_url: str, http_url: str, metrics_url: str, cfg: SoakConfig, se
         bad_finals=len(bad_finals), mismatches=len(mism), bad_requests=len(bads), bad_unclear=len(unclear),
         leaked_pages=m1.get("freetoken_kv_cache_total_pages", 0) - m1.get("freetoken_kv_cache_free_pages", 0),
         cached_pages_after=m1.get("freetoken_prefix_cache_pages", 0),
+        leaked_snapshot_slots=leaked_snapshot_slots(m1),
+        snapshot_slots=m1.get("freetoken_prefix_cache_snapshot_slots_total", 0),
         prefix_hit_tokens=m1.get("freetoken_prefix_cache_hits_total", 0) - m0.get("freetoken_prefix_cache_hits_total", 0),
         shared_completed=sum(o.template.startswith("shared") for o in done),
         running_after=m1.get("freetoken_num_requests_running", 0), waiting_after=m1.get("freetoken_num_requests_waiting", 0),
@@ -276,6 +290,7 @@ def format_report(r: SoakReport) -> str:
         f"bad requests not refused clearly {r.bad_unclear} of {r.bad_requests}",
         f"leaked KV pages {r.leaked_pages:g} (cached, evictable {r.cached_pages_after:g})   running after {r.running_after:g}   waiting after {r.waiting_after:g}   "
         f"engine aborts {r.aborted:g}",
+        f"leaked snapshot slots {r.leaked_snapshot_slots:g} of {r.snapshot_slots:g}",
         f"prompt tokens from the prefix cache {r.prefix_hit_tokens:g}   shared-prefix requests completed "
         f"{r.shared_completed}",
         f"latency p50 {r.p50_s:.2f} s   p99 {r.p99_s:.2f} s",
@@ -295,11 +310,11 @@ def format_report(r: SoakReport) -> str:
 
 
 def targets_met(r: SoakReport, max_engine_rss_growth_pct: float) -> bool:
-    """Issue 52's bar: nothing wrong among the good requests, every bad one refused clearly, no page held,
-    and the engine process's RSS flat over the last 80% of the run."""
+    """Issue 52's bar: nothing wrong among the good requests, every bad one refused clearly, no page or snapshot
+    slot held, and the engine process's RSS flat over the last 80% of the run."""
     growth = r.rss_growth_pct().get("engine")
-    return not (r.errors or r.bad_finals or r.mismatches or r.bad_unclear or r.leaked_pages or r.running_after
-                or r.waiting_after) and (growth is None or growth < max_engine_rss_growth_pct)
+    return not (r.errors or r.bad_finals or r.mismatches or r.bad_unclear or r.leaked_pages or r.leaked_snapshot_slots
+                or r.running_after or r.waiting_after) and (growth is None or growth < max_engine_rss_growth_pct)
 
 
 def main() -> int:

@@ -44,6 +44,9 @@ class EngineStats:
     prefix_hit_tokens_total: int = 0
     prefix_cached_pages: int = 0
     prefix_cached_snapshots: int = 0
+    # the hybrids' snapshot pool: its slots and those free or evictable (free == total once idle: none leaked)
+    prefix_snapshot_slots_total: int = 0
+    prefix_snapshot_slots_free: int = 0
 
     @property
     def kv_usage(self) -> float:

@@ -66,8 +66,11 @@ def random_traffic(llm: LLM, vocab: tuple[int, int], steps: int = 160, seed: int
 
 
 def assert_all_back(llm: LLM) -> None:
-    """Accounting: free pages + evictable cached pages == the pool, the trie and the rows agree."""
+    """Accounting: free pages + evictable cached pages == the pool, snapshot slots likewise (what /metrics shows),
+    the trie and the rows agree."""
     cache = llm.scheduler.cache
     cache.check()
     assert cache.num_free_pages == cache.num_total_pages
+    stats = llm.scheduler.stats()
+    assert stats.prefix_snapshot_slots_free == stats.prefix_snapshot_slots_total == cache.num_total_snapshots
     assert not llm.scheduler.running and not llm.scheduler.waiting

@@ -100,9 +100,14 @@ class HybridCacheManager(CacheManager):
         return len(self._holders) + len(self._tails)
 
     @property
+    def num_total_snapshots(self) -> int:
+        return self.snapshots.num_slots
+
+    @property
     def num_free_snapshots(self) -> int:
-        """Free snapshot slots plus cached ones (never locked: all evictable); running requests' taken ones not."""
-        return self.snapshots.num_slots - sum(len(t) for t in self._taken.values())
+        """Free snapshot slots plus cached ones (never locked: all evictable); running requests' taken ones not.
+        Counted from the free list and the holders, so a slot lost from both shows as missing."""
+        return self.snapshots.num_free + self.num_cached_snapshots
 
     def _extra_owned_pages(self) -> list[int]:
         return [t.page for t in self._tails.values()]

@@ -181,10 +181,21 @@ class CacheManager:
         if self.prefix is None:
             return {}
         return dict(prefix_query_tokens_total=self.prefix.query_tokens, prefix_hit_tokens_total=self.prefix.hit_tokens,
-                    prefix_cached_pages=self.num_cached_pages, prefix_cached_snapshots=self.num_cached_snapshots)
+                    prefix_cached_pages=self.num_cached_pages, prefix_cached_snapshots=self.num_cached_snapshots,
+                    prefix_snapshot_slots_total=self.num_total_snapshots,
+                    prefix_snapshot_slots_free=self.num_free_snapshots)
 
+    # linear-state snapshots: only hybrid models have them (kvcache/hybrid.py)
     @property
     def num_cached_snapshots(self) -> int:
+        return 0
+
+    @property
+    def num_total_snapshots(self) -> int:
+        return 0
+
+    @property
+    def num_free_snapshots(self) -> int:
         return 0
 
     def count_lookup(self, prompt_tokens: int, hit_tokens: int) -> None:

@@ -1,10 +1,12 @@
-"""Helpers of the serving tests: Prometheus scraping and polling."""
+"""Helpers of the serving tests: Prometheus scraping, polling, a server for a tiny test checkpoint."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import time
 import urllib.request
+from pathlib import Path
 
 
 def scrape_metrics(url: str) -> dict[str, float]:
@@ -46,3 +48,17 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.1):
         time.sleep(interval)
     return last
 
+
+
+def serve_checkpoint(path: Path, smollm2_path: str, workdir: Path, params: dict[str, str]):
+    """A tritonserver for a tiny random checkpoint of vocabulary 49152, served with SmolLM2's tokenizer (and chat
+    template) copied beside it. Returns the launcher's handle; the caller stops it."""
+    from freetoken_core.serving.launch.server import start_server
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        try:
+            shutil.copy(f"{smollm2_path}/{name}", Path(path) / name)
+        except FileNotFoundError:
+            pass
+    return start_server({**params, "model_path": str(path)}, repo_dir=workdir / "repo",
+                        log_path=workdir / "tritonserver.log", ready_timeout=300)

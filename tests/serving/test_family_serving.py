@@ -4,14 +4,13 @@ ensemble: the streamed text and tokens equal the offline engine's, byte for byte
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from freetoken_core import SamplingParams
 from tests.models.hybrid_checkpoints import make_tiny_hybrid
 from tests.models.moe_checkpoints import make_tiny_moe
 from tests.serving.conftest import SERVER_PARAMS
+from tests.serving.serving_helpers import serve_checkpoint
 from tests.serving.test_triton_server import Stream, ensemble_inputs
 
 pytest.importorskip("tritonclient.grpc")
@@ -34,16 +33,8 @@ EXTRA_PARAMS = {"qwen3_moe_offload": {"moe_strategy": "offload", "moe_cache_slot
 def family_model(request, smollm2_path, tmp_path_factory):
     """Vocabulary 49152 so that SmolLM2's tokenizer (and chat template) serve it."""
     path = MAKERS[request.param](tmp_path_factory.mktemp(request.param))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        try:
-            shutil.copy(f"{smollm2_path}/{name}", path / name)
-        except FileNotFoundError:
-            pass
-    from freetoken_core.serving.launch.server import start_server
-
-    workdir = tmp_path_factory.mktemp(f"triton-{request.param}")
-    params = {**SERVER_PARAMS, "model_path": str(path), **EXTRA_PARAMS.get(request.param, {})}
-    handle = start_server(params, repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)
+    params = {**SERVER_PARAMS, **EXTRA_PARAMS.get(request.param, {})}
+    handle = serve_checkpoint(path, smollm2_path, tmp_path_factory.mktemp(f"triton-{request.param}"), params)
     yield path, handle, request.param
     handle.stop()
 

@@ -89,18 +89,36 @@ def test_prefix_cache_counters_send_deltas_and_gauges_only_on_change():
     def prefix_events() -> list[tuple]:
         return [(op, fam, v) for op, fam, _, v in pb.events() if "prefix_cache" in fam]
 
-    def with_prefix(q: int, h: int, pages: int) -> EngineStats:
+    def with_prefix(q: int, h: int, pages: int, slots: int = 0, free_slots: int = 0) -> EngineStats:
         return EngineStats(0, 0, 10, 10, 16, prefix_query_tokens_total=q, prefix_hit_tokens_total=h,
-                           prefix_cached_pages=pages)
+                           prefix_cached_pages=pages, prefix_snapshot_slots_total=slots,
+                           prefix_snapshot_slots_free=free_slots)
 
+    total, free = "freetoken_prefix_cache_snapshot_slots_total", "freetoken_prefix_cache_snapshot_slots_free"
     m.set_engine_stats(with_prefix(100, 60, 4))
     m.set_engine_stats(with_prefix(100, 60, 4))  # nothing new: no IPC
     m.set_engine_stats(with_prefix(130, 60, 5))
     assert prefix_events() == [
         ("increment", "freetoken_prefix_cache_queries_total", 100), ("increment", "freetoken_prefix_cache_hits_total", 60),
         ("set", "freetoken_prefix_cache_pages", 4), ("set", "freetoken_prefix_cache_snapshot_slots", 0),
-        ("increment", "freetoken_prefix_cache_queries_total", 30),
-        ("set", "freetoken_prefix_cache_pages", 5), ("set", "freetoken_prefix_cache_snapshot_slots", 0)]
+        ("set", total, 0), ("set", free, 0),
+        ("increment", "freetoken_prefix_cache_queries_total", 30), ("set", "freetoken_prefix_cache_pages", 5)]
+
+
+def test_snapshot_slot_gauges_follow_the_pool_and_clear():
+    """A hybrid's snapshot pool: total and free-or-evictable slots, each sent when it changes; zero on unload."""
+    pb = FakePbUtils()
+    m = TritonMetrics(pb, {"model": "freetoken"})
+
+    def slot_events() -> list[tuple]:
+        return [(op, fam, v) for op, fam, _, v in pb.events() if "snapshot_slots_" in fam]
+
+    for n in (8, 6, 6, 8):  # idle, two taken by a running request, the same again, idle
+        m.set_engine_stats(EngineStats(0, 0, 10, 10, 16, prefix_snapshot_slots_total=8, prefix_snapshot_slots_free=n))
+    m.clear_gauges()
+    total, free = "freetoken_prefix_cache_snapshot_slots_total", "freetoken_prefix_cache_snapshot_slots_free"
+    assert slot_events() == [("set", total, 8), ("set", free, 8), ("set", free, 6), ("set", free, 8),
+                             ("set", total, 0), ("set", free, 0)]
 
 
 class RecordingTransport:

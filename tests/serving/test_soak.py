@@ -51,6 +51,7 @@ def test_short_soak_with_shared_prefixes(triton_server):
     # each shared request finds at least the whole pages of its ~120-token shared prefix (6 pages or more) cached
     assert report.prefix_hit_tokens >= 96 * report.shared_completed
     assert report.leaked_pages == 0 and report.cached_pages_after > 0
+    assert report.snapshot_slots == report.leaked_snapshot_slots == 0  # attention only: no snapshot pool
     assert report.running_after == 0 and report.waiting_after == 0
 
 

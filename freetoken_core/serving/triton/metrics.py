@@ -63,6 +63,9 @@ class TritonMetrics(EngineMetrics):
             family("freetoken_prefix_cache_pages", "KV pages held by the prefix cache", MF.GAUGE),
             family("freetoken_prefix_cache_snapshot_slots", "Linear-state snapshot slots held by the prefix cache",
                    MF.GAUGE),
+            family("freetoken_prefix_cache_snapshot_slots_total", "Linear-state snapshot slots in the pool", MF.GAUGE),
+            family("freetoken_prefix_cache_snapshot_slots_free",
+                   "Linear-state snapshot slots free or evictable (not taken by a running request)", MF.GAUGE),
         ]
         f = self._families
         self.ttft = f[0].Metric(labels=labels, buckets=TTFT_BUCKETS)
@@ -77,8 +80,9 @@ class TritonMetrics(EngineMetrics):
         self.kv_total = f[9].Metric(labels=labels)
         self.prefix_queries, self.prefix_hits = f[13].Metric(labels=labels), f[14].Metric(labels=labels)
         self.prefix_pages, self.prefix_snapshots = f[15].Metric(labels=labels), f[16].Metric(labels=labels)
+        self.snapshot_slots_total, self.snapshot_slots_free = f[17].Metric(labels=labels), f[18].Metric(labels=labels)
         self._prefix_sent = (0, 0)  # the engine's totals already counted
-        self._prefix_held: tuple[int, int] | None = None
+        self._prefix_held: tuple[int, ...] | None = None
         self._labels = labels
         self._moe: tuple[Any, Any] | None = None  # made on the first MoE stats: dense models show none
         self._moe_layers: list[Any] = []
@@ -142,7 +146,7 @@ class TritonMetrics(EngineMetrics):
 
     def clear_gauges(self) -> None:
         for gauge in (self.running, self.waiting, self.kv_usage, self.kv_free, self.kv_total, *self._moe_layers,
-                      *(self._moe or ()), self.prefix_pages, self.prefix_snapshots):
+                      *(self._moe or ()), *self._prefix_gauges):
             gauge.set(0)
         self._last = None
         self._prefix_sent, self._prefix_held = (0, 0), None  # a new engine counts from zero
@@ -155,11 +159,18 @@ class TritonMetrics(EngineMetrics):
         if hits > sent_h:
             self.prefix_hits.increment(hits - sent_h)
         self._prefix_sent = (max(queries, sent_q), max(hits, sent_h))
-        held = (stats.prefix_cached_pages, stats.prefix_cached_snapshots)
+        held = (stats.prefix_cached_pages, stats.prefix_cached_snapshots, stats.prefix_snapshot_slots_total,
+                stats.prefix_snapshot_slots_free)
         if held != self._prefix_held:  # a gauge update is an IPC round trip: only on change
+            for gauge, value, before in zip(self._prefix_gauges, held, self._prefix_held or (None,) * len(held)):
+                if value != before:
+                    gauge.set(value)
             self._prefix_held = held
-            self.prefix_pages.set(held[0])
-            self.prefix_snapshots.set(held[1])
+
+    @property
+    def _prefix_gauges(self) -> tuple:
+        """In the order of `_set_prefix`'s `held`."""
+        return self.prefix_pages, self.prefix_snapshots, self.snapshot_slots_total, self.snapshot_slots_free
 
     def _set_moe(self, moe: dict) -> None:
         f = self._families
