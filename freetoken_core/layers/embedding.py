@@ -10,7 +10,7 @@ from torch import nn
 
 from ..parallel import all_gather_last_dim, all_reduce, tp_info
 from .gemv_policy import GemvRouted
-from .linear import copy_checked, pack_cpu_weight, packed_linear
+from .linear import copy_checked, pack_cpu_weight, packed_linear, use_packed
 
 
 def _vocab_shard(vocab_size: int) -> tuple[int, int]:
@@ -73,7 +73,7 @@ class ParallelLMHead(GemvRouted, nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [R, hidden] -> fp32 [R, vocab]. The matmul runs in the model dtype (as transformers
         does); only the result is widened, so samplers and logprobs work in fp32."""
-        if self.packed is not None and x.device.type == "cpu":
+        if use_packed(x, self.packed):
             logits = packed_linear(x, self.packed, None)
         elif x.is_cuda and _one_row_gemv(x, self.weight, self.gemv_min_elements):
             from ..kernels.gemv import gemv

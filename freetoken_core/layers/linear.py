@@ -45,6 +45,17 @@ def _mkldnn_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# oneDNN JIT-builds a primitive for each input row count and weight shape and keeps it in two caches of 1024
+# entries (ideep's LRU_CACHE_CAPACITY, oneDNN's primitive cache), a few hundred KB apiece: prefills of every prompt
+# length would fill them, hundreds of MB. Packing pays at decode-sized row counts (~2x MKL at 1-16 rows); from ~32
+# rows on MKL is as fast and caches nothing per shape, so only these row counts reach oneDNN.
+PACKED_MAX_ROWS = 32
+
+
+def use_packed(x: torch.Tensor, packed: torch.Tensor | None) -> bool:
+    return packed is not None and x.device.type == "cpu" and x.numel() <= PACKED_MAX_ROWS * x.shape[-1]
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -112,7 +123,7 @@ class Linear(Fp8Held, GemvRouted, nn.Module):
                 rows = rows.contiguous()
             y = fp8_linear(rows, self.weight, self.weight_scale_inv, bias, self.fp8_block)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        if self.packed is not None and x.device.type == "cpu":
+        if use_packed(x, self.packed):
             return packed_linear(x, self.packed, bias)
         if x.is_cuda:
             from ..kernels import gemv as triton_gemv  # first CUDA use: CPU users never load Triton
