@@ -39,7 +39,10 @@ def per_token_group_quant_fp8_reference(x: torch.Tensor, group: int = 128) -> tu
     m, k = x.shape
     groups = -(-k // group)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
-    scale = padded.abs().amax(dim=-1).clamp_min(ACT_QUANT_EPS) / FP8_MAX
+    amax = padded.abs().amax(dim=-1).clamp_min(ACT_QUANT_EPS)
+    # a tensor divisor: CUDA torch turns `/ python_float` into a multiply by the (inexact) reciprocal, 1 ulp off
+    # the IEEE division the kernel does
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(m, groups * group)[:, :k].contiguous(), scale
 

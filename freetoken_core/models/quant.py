@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from ..env import kernel_env
+from ..env import kernel_env, triton_interpreted
 from ..kernels.fp8_ref import DEFAULT_BLOCK, FP8_DTYPE
 from ..layers.fp8 import Fp8BlockFormat, Fp8BlockWeight, Fp8Held
 
@@ -132,9 +132,12 @@ def checkpoint_stream(weights: Iterable[tuple[str, torch.Tensor]], config: Any, 
 
 
 def keeps_fp8(fmt: Fp8BlockFormat | None, device: torch.device | str) -> bool:
-    """Whether FP8 weights stay FP8 in the layers on `device` (FREETOKEN_FP8_KEEP: auto = CUDA only)."""
+    """Whether FP8 weights stay FP8 in the layers on `device` (FREETOKEN_FP8_KEEP: auto = CUDA only; 1 = also on
+    the CPU, where the FP8 kernels run only under Triton's interpreter: on a GPU host compiled kernels cannot read
+    host tensors, so a CPU model there dequantizes)."""
     mode = kernel_env().fp8_keep
-    return fmt is not None and (mode == "1" or (mode == "auto" and torch.device(device).type == "cuda"))
+    on_cuda = torch.device(device).type == "cuda"
+    return fmt is not None and (on_cuda and mode != "0" or mode == "1" and triton_interpreted())
 
 
 def hold_fp8_weights(model: nn.Module, fmt: Fp8BlockFormat, experts: bool = True) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from harness import ModelHarness
 from moe_checkpoints import make_tiny_moe
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.env import kernel_env
+from freetoken_core.env import kernel_env, triton_interpreted
 from freetoken_core.kernels.fp8_ref import FP8_DTYPE
 from freetoken_core.layers.fp8 import Fp8Held
 from freetoken_core.models import load_model
@@ -28,6 +28,10 @@ MOE = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=256, de
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 41))]  # 5 and 21 rows: the rows GEMM and the GEMM
 MAX_NEW = 4
 CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # where a loaded model holds FP8 (without running it)
+# FP8 kernels on CPU tensors run only under Triton's interpreter (a host without CUDA); the CUDA test covers the GPU
+needs_interpreter = pytest.mark.skipif(not triton_interpreted(), reason="FP8 kernels on CPU tensors need the "
+                                       "Triton interpreter (a host without CUDA)")
 
 
 def set_keep(monkeypatch, value: str) -> None:
@@ -86,6 +90,7 @@ DENSE_HELD = {"model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_p
 MOE_HELD = {"model.layers.1.mlp.experts", "model.layers.0.mlp.gate_up_proj", "model.layers.1.self_attn.o_proj"}
 
 
+@needs_interpreter
 def test_qwen3_dense_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
     fp8, _ = write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **DENSE))
     check_kept_matches_dequantized(monkeypatch, fp8, DENSE_HELD, "cpu", torch.float32, 1e-4)
@@ -94,6 +99,7 @@ def test_qwen3_dense_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
                                                                              page_size)
 
 
+@needs_interpreter
 def test_qwen3_moe_fp8_kept_matches_dequantized(tmp_path, monkeypatch):
     fp8, _ = write_fp8_pair(make_tiny_moe(tmp_path, "per_expert", **MOE))
     check_kept_matches_dequantized(monkeypatch, fp8, MOE_HELD, "cpu", torch.float32, 1e-4)
@@ -106,7 +112,7 @@ def test_segment_inside_a_block_dequantizes_that_layer(tmp_path, monkeypatch):
     """k/v of 64 rows: the fused QKV's k starts inside a 128-row block: that layer alone stays dense."""
     fp8, _ = write_fp8_pair(make_tiny_model(tmp_path, arch="qwen3", **{**DENSE, "num_key_value_heads": 1}))
     set_keep(monkeypatch, "1")
-    model = load_model(str(fp8), torch.float32, "cpu", progress=False)
+    model = load_model(str(fp8), torch.float32, DEV, progress=False)
     held = set(held_layers(model))
     assert "model.layers.0.self_attn.qkv_proj" not in held and "model.layers.0.self_attn.o_proj" in held
     assert model.get_submodule("model.layers.0.self_attn.qkv_proj").weight.dtype == torch.float32
@@ -115,7 +121,7 @@ def test_segment_inside_a_block_dequantizes_that_layer(tmp_path, monkeypatch):
 def test_dummy_fp8_weights_are_fp8_with_realistic_scales(tmp_path, monkeypatch):
     plain = make_tiny_moe(tmp_path, "per_expert", **MOE)
     set_keep(monkeypatch, "1")
-    model = load_model(str(plain), torch.float32, "cpu", progress=False, load_format="dummy", quantization="fp8")
+    model = load_model(str(plain), torch.float32, DEV, progress=False, load_format="dummy", quantization="fp8")
     experts = model.get_submodule("model.layers.1.mlp.experts")
     values, scale = experts.fp8_tensors()[0]
     assert values.dtype == FP8_DTYPE and values.float().abs().max() == 448  # each block's amax maps to e4m3's max
@@ -167,6 +173,7 @@ def test_cuda_fp8_kept_matches_dequantized_bf16(tmp_path, monkeypatch, kind):
         assert [t[0] for t in kept] == [t[0] for t in dense], (page_size, kept, dense)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_fp8_shared_expert_stacks_with_fp8_experts(tokens):
     """An FP8-held shared expert stacked into FP8-held routed experts (values and scales): the same layer as the
@@ -228,15 +235,30 @@ def test_qwen3_5_gdn_in_proj_holds_fp8_with_a_dense_tail(tmp_path, monkeypatch):
                              linear_num_value_heads=4, linear_value_head_dim=64)
     fp8 = write_fp8_pair(plain)[0]
     set_keep(monkeypatch, "1")
-    model = load_model(str(fp8), torch.float32, "cpu", progress=False)
+    model = load_model(str(fp8), torch.float32, DEV, progress=False)
     in_proj = model.get_submodule("model.layers.0.linear_attn.in_proj")
     assert in_proj.fp8_block is not None and in_proj.weight.shape == (768, 128)
     assert in_proj.weight_tail.dtype == torch.float32 and in_proj.weight_tail.shape == (8, 128)
     set_keep(monkeypatch, "0")
-    dense = load_model(str(fp8), torch.float32, "cpu", progress=False)
+    dense = load_model(str(fp8), torch.float32, DEV, progress=False)
     want = dense.get_submodule("model.layers.0.linear_attn.in_proj").weight
     from freetoken_core.kernels.fp8_ref import dequantize_block_fp8
 
     got = torch.cat([dequantize_block_fp8(in_proj.weight, in_proj.weight_scale_inv), in_proj.weight_tail])
     torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same real weight, rows in the same order
     assert greedy(monkeypatch, fp8, "1", "float32", 1) == greedy(monkeypatch, fp8, "0", "float32", 1)
+
+
+def test_cpu_models_keep_fp8_only_where_the_interpreter_runs_the_kernels(monkeypatch):
+    """FREETOKEN_FP8_KEEP=1 on a GPU host: a CPU model dequantizes (compiled kernels cannot read host tensors);
+    CUDA keeps FP8 under auto and 1, never under 0."""
+    from freetoken_core.layers.fp8 import Fp8BlockFormat
+    from freetoken_core.models import quant
+
+    fmt = Fp8BlockFormat((128, 128))
+    for interpreted in (True, False):
+        monkeypatch.setattr(quant, "triton_interpreted", lambda: interpreted)
+        for mode, cpu, cuda in (("0", False, False), ("auto", False, True), ("1", interpreted, True)):
+            set_keep(monkeypatch, mode)
+            assert (quant.keeps_fp8(fmt, "cpu"), quant.keeps_fp8(fmt, "cuda")) == (cpu, cuda), (mode, interpreted)
+            assert not quant.keeps_fp8(None, "cuda")
