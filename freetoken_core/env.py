@@ -54,10 +54,9 @@ class KernelEnv:
     # FREETOKEN_ATTN_GATE_GEMV: the gated attention's o * sigmoid(gate) inside the o_proj GEMV (one row)
     attn_gate_gemv: bool = True
     # FREETOKEN_FP8_KEEP: block-FP8 weights stay FP8 in the layers (values + scale_inv, run by kernels/fp8_*.py)
-    # instead of being dequantized at load. auto: on CUDA devices (half the memory and the bytes a step reads);
-    # 1: everywhere (CPU tests run the FP8 kernels under the interpreter); 0: never. 0 by default until the kept
-    # path has passed benchmarks/dev/gpu_fp8_check.sh on a GPU (it has run on the CPU and the sm_90 compiler only)
-    fp8_keep: str = "0"
+    # instead of being dequantized at load. auto: on CUDA devices (half the memory and the bytes a step reads;
+    # benchmarks/RESULTS.md "Block-FP8"); 1: also on the CPU under Triton's interpreter (tests); 0: never
+    fp8_keep: str = "auto"
 
     @staticmethod
     def variable(field_name: str) -> str:
