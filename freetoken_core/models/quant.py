@@ -137,7 +137,7 @@ def keeps_fp8(fmt: Fp8BlockFormat | None, device: torch.device | str) -> bool:
     host tensors, so a CPU model there dequantizes)."""
     mode = kernel_env().fp8_keep
     on_cuda = torch.device(device).type == "cuda"
-    return fmt is not None and (on_cuda and mode != "0" or mode == "1" and triton_interpreted())
+    return fmt is not None and ((on_cuda and mode != "0") or (mode == "1" and triton_interpreted()))
 
 
 def hold_fp8_weights(model: nn.Module, fmt: Fp8BlockFormat, experts: bool = True) -> tuple[int, int]:

@@ -29,17 +29,9 @@ SERVER_PARAMS = {
 @pytest.fixture(scope="session")
 def triton_server(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory):
     pytest.importorskip("tritonclient.grpc")
-    from freetoken_core.serving.launch.server import start_server
-    from freetoken_core.serving.launch.tritonserver import find_tritonserver
+    from tests.serving.serving_helpers import start_test_server
 
-    try:
-        find_tritonserver()
-    except RuntimeError as e:
-        pytest.skip(f"no tritonserver: {e}")
-    workdir = tmp_path_factory.mktemp("triton")
-    log_path = workdir / "tritonserver.log"
-    handle = start_server({**SERVER_PARAMS, "model_path": smollm2_path}, repo_dir=workdir / "repo",
-                          log_path=log_path, ready_timeout=300)
+    handle = start_test_server({**SERVER_PARAMS, "model_path": smollm2_path}, tmp_path_factory.mktemp("triton"))
     yield handle
     handle.stop()
     if os.environ.get("FREETOKEN_KEEP_SERVER_LOG"):

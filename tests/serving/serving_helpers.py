@@ -8,6 +8,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 
 def scrape_metrics(url: str) -> dict[str, float]:
     """Prometheus text -> {'name{labels}': value} (labels kept verbatim)."""
@@ -53,12 +55,22 @@ def wait_for(pred, timeout: float = 30.0, interval: float = 0.1):
 def serve_checkpoint(path: Path, smollm2_path: str, workdir: Path, params: dict[str, str]):
     """A tritonserver for a tiny random checkpoint of vocabulary 49152, served with SmolLM2's tokenizer (and chat
     template) copied beside it. Returns the launcher's handle; the caller stops it."""
-    from freetoken_core.serving.launch.server import start_server
-
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         try:
             shutil.copy(f"{smollm2_path}/{name}", Path(path) / name)
         except FileNotFoundError:
             pass
-    return start_server({**params, "model_path": str(path)}, repo_dir=workdir / "repo",
-                        log_path=workdir / "tritonserver.log", ready_timeout=300)
+    return start_test_server({**params, "model_path": str(path)}, workdir)
+
+
+def start_test_server(params: dict[str, str], workdir: Path):
+    """A tritonserver on `params` (the launcher's, as `freetoken-core serve`), its repository and log under workdir;
+    skips the test where no tritonserver is installed. The caller stops the handle."""
+    from freetoken_core.serving.launch.server import start_server
+    from freetoken_core.serving.launch.tritonserver import find_tritonserver
+
+    try:
+        find_tritonserver()
+    except RuntimeError as e:
+        pytest.skip(f"no tritonserver: {e}")
+    return start_server(params, repo_dir=workdir / "repo", log_path=workdir / "tritonserver.log", ready_timeout=300)

@@ -26,19 +26,14 @@ CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
 def qwen_like(smollm2_path, tmp_path_factory):
     """(client, model directory): a server and a frontend of their own (the template differs from the session's)."""
     pytest.importorskip("tritonclient.grpc")
-    from freetoken_core.serving.launch.server import free_ports, start_server
+    from freetoken_core.serving.launch.server import free_ports
     from freetoken_core.serving.openai.process import FrontendOptions, start_frontend, stop_frontend
-    from freetoken_core.serving.launch.tritonserver import find_tritonserver
     from tests.serving.qwen_like_model import qwen_like_model_dir
+    from tests.serving.serving_helpers import start_test_server
 
-    try:
-        find_tritonserver()
-    except RuntimeError as e:
-        pytest.skip(f"no tritonserver: {e}")
     work = tmp_path_factory.mktemp("qwen_like_server")
     model_dir = qwen_like_model_dir(smollm2_path, work / "SmolLM2-qwen-template")
-    server = start_server({**SERVER_PARAMS, "model_path": str(model_dir)}, repo_dir=work / "repo",
-                          log_path=work / "tritonserver.log", ready_timeout=300)
+    server = start_test_server({**SERVER_PARAMS, "model_path": str(model_dir)}, work)
     port = free_ports(1)[0]
     frontend = start_frontend(server.grpc_url, server.repo_dir, FrontendOptions(port=port, host="127.0.0.1"),
                               log_path=work / "frontend.log", metrics_url=server.metrics_url)
