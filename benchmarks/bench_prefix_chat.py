@@ -5,6 +5,8 @@
     python benchmarks/bench_prefix_chat.py --shape llama-3.2-1b --load-format dummy   (GPU, random weights)
     python benchmarks/bench_prefix_chat.py --conversations 4 --turns 3 --system-len 64 --user-len 8 --max-tokens 8
         (CPU, the default SmolLM2)
+    ... --lockstep: turn k of every conversation as one LLM.generate call, the form FreeToken 0.2.1's offline LLM
+        runs the same workload in (`.peer/chat_freetoken.py` beside the peer's README)
 
 Served (gRPC to the `freetoken` model, streaming `input_ids`; one stream per conversation):
     python benchmarks/bench_prefix_chat.py --served localhost:8001 [--model DIR | --shape NAME] ...
@@ -104,6 +106,32 @@ def run(llm: LLM, args: argparse.Namespace) -> dict:
                 send(c)
     wall = time.perf_counter() - t0
     return summary(ttft_later, wall, prompt_tokens, output_tokens, cached, tokens_by_turn)
+
+
+def run_lockstep(llm: LLM, args: argparse.Namespace) -> dict:
+    """Turn k of every conversation as one `generate` call (the form a peer's offline batch API can run too).
+    TTFT is not seen through `generate`; the summary's TTFT fields hold each later turn's whole call time."""
+    system, user = make_conversations(args, llm.scheduler.engine.vocab_size)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [system + user[c][0] for c in range(args.conversations)]
+    turn_seconds: list[float] = []
+    cached = prompt_tokens = output_tokens = 0
+    tokens_by_turn: dict[tuple[int, int], list[int]] = {}
+    t0 = time.perf_counter()
+    for turn in range(args.turns):
+        t_turn = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        if turn > 0:
+            turn_seconds.append(time.perf_counter() - t_turn)
+        for c, out in enumerate(outs):
+            prompt_tokens += out.num_prompt_tokens
+            output_tokens += out.num_output_tokens
+            cached += out.num_cached_tokens
+            tokens_by_turn[(c, turn)] = out.token_ids
+            if turn + 1 < args.turns:
+                prompts[c] = prompts[c] + out.token_ids + user[c][turn + 1]
+    wall = time.perf_counter() - t0
+    return summary(turn_seconds, wall, prompt_tokens, output_tokens, cached, tokens_by_turn)
 
 
 # --- served: gRPC streams to the `freetoken` model ---------------------------------------------------
@@ -236,13 +264,13 @@ def offline_results(args: argparse.Namespace) -> dict:
         llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                   max_running_req=args.max_running_req, page_size=args.page_size, kv_cache_gb=args.kv_cache_gb,
                   max_seq_len=max_seq_len(args), enable_prefix_caching=on)
-        results["on" if on else "off"] = run(llm, args)
+        results["on" if on else "off"] = (run_lockstep if args.lockstep else run)(llm, args)
         llm.scheduler.close()
         del llm
     return results
 
 
-def report(results: dict) -> None:
+def report(results: dict, first_metric: str = "TTFT") -> None:
     if "served" in results:
         r = results["served"]
         r.pop("tokens")
@@ -251,7 +279,7 @@ def report(results: dict) -> None:
     same = results["on"].pop("tokens") == results["off"].pop("tokens")
     on, off = results["on"], results["off"]
     print(json.dumps(results, indent=1))
-    print(f"TTFT p50 turns 2+: {on['ttft_p50_ms_turns_2plus']:.1f} ms with the cache, "
+    print(f"{first_metric} p50 turns 2+: {on['ttft_p50_ms_turns_2plus']:.1f} ms with the cache, "
           f"{off['ttft_p50_ms_turns_2plus']:.1f} ms without ({on['ttft_p50_ms_turns_2plus'] / off['ttft_p50_ms_turns_2plus']:.0%}); "
           f"p90 {on['ttft_p90_ms_turns_2plus']:.1f} vs {off['ttft_p90_ms_turns_2plus']:.1f} ms")
     print(f"throughput: {on['total_tok_s']:.0f} vs {off['total_tok_s']:.0f} tok/s total "
@@ -278,6 +306,8 @@ def main() -> None:
     ap.add_argument("--served", nargs="?", const="", default=None, metavar="HOST:PORT",
                     help="through a server's gRPC endpoint (with --compare: servers this script starts)")
     ap.add_argument("--compare", action="store_true", help="served: start a server with the cache, then without")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="offline: each turn of all conversations as one generate() call (a peer's batch API's form)")
     args = ap.parse_args()
     if args.served == "" and not args.compare:
         ap.error("--served needs HOST:PORT, or --compare to start the servers itself")
@@ -292,7 +322,7 @@ def main() -> None:
 
         args.model = default_model_path()
     if args.served is None:
-        report(offline_results(args))
+        report(offline_results(args), "turn time (lockstep)" if args.lockstep else "TTFT")
     else:
         report(served_results(args, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]))
 
