@@ -32,6 +32,19 @@ def fp8_moe(tmp_path_factory):
     return write_fp8_pair(make_tiny_moe(tmp_path_factory.mktemp("fp8_offload"), "per_expert", **MOE))[0]
 
 
+@pytest.fixture(scope="module")
+def resident_tokens(fp8_moe):
+    """The resident FP8 experts' tokens, the reference every offload strategy must give (run once per module)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FREETOKEN_FP8_KEEP", "1")
+        kernel_env.cache_clear()
+        want, resident = run(fp8_moe)
+        kernel_env.cache_clear()
+    experts = resident.scheduler.engine.model.get_submodule("model.layers.1.mlp.experts")
+    assert experts.fp8_block is not None and experts.executor is None
+    return want
+
+
 def run(path, speculative=None, **kw):
     llm = LLM(path, dtype="float32", page_size=4, num_pages=300, max_running_req=3, speculative=speculative,
               num_speculative_tokens=1, **kw)
@@ -40,10 +53,8 @@ def run(path, speculative=None, **kw):
 
 
 @pytest.mark.parametrize("device_cache,speculative", [("off", None), ("on", "ngram")])
-def test_offloaded_fp8_experts_give_the_resident_fp8_tokens(fp8_moe, device_cache, speculative):
-    want, resident = run(fp8_moe)
-    experts = resident.scheduler.engine.model.get_submodule("model.layers.1.mlp.experts")
-    assert experts.fp8_block is not None and experts.executor is None
+def test_offloaded_fp8_experts_give_the_resident_fp8_tokens(fp8_moe, resident_tokens, device_cache, speculative):
+    want = resident_tokens
     got, llm = run(fp8_moe, speculative, moe_strategy="offload", moe_cache_slots=5, moe_device_cache=device_cache)
     assert got == want
     executor = llm.scheduler.engine.model.get_submodule("model.layers.1.mlp.experts").executor
@@ -57,8 +68,8 @@ def test_offloaded_fp8_experts_give_the_resident_fp8_tokens(fp8_moe, device_cach
     assert stats["slot_hit_rate"] < 1.0 and stats["bytes_copied_per_token"] > 0
 
 
-def test_cpu_executor_dequantizes_fp8_experts(fp8_moe):
-    want, _ = run(fp8_moe)
+def test_cpu_executor_dequantizes_fp8_experts(fp8_moe, resident_tokens):
+    want = resident_tokens
     got, llm = run(fp8_moe, moe_strategy="cpu")
     experts = llm.scheduler.engine.model.get_submodule("model.layers.1.mlp.experts")
     assert experts.fp8_block is None and experts.gate_up_proj.dtype == torch.float32
