@@ -6,7 +6,7 @@
     python benchmarks/bench_prefix_chat.py --conversations 4 --turns 3 --system-len 64 --user-len 8 --max-tokens 8
         (CPU, the default SmolLM2)
     ... --lockstep: turn k of every conversation as one LLM.generate call, the form FreeToken 0.2.1's offline LLM
-        runs the same workload in (`.peer/chat_freetoken.py` beside the peer's README)
+        runs the same workload in (`benchmarks/dev/peer_prefix_chat.py`)
 
 Served (gRPC to the `freetoken` model, streaming `input_ids`; one stream per conversation):
     python benchmarks/bench_prefix_chat.py --served localhost:8001 [--model DIR | --shape NAME] ...
