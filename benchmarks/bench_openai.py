@@ -9,9 +9,11 @@
 starts tritonserver and the OpenAI API itself, as `freetoken-core serve` does (--param NAME=VALUE as its), and
 stops both at the end (their logs: freetoken-bench-openai-*.log in the temporary directory).
 
-N clients per side, each sending its next request when its previous one finished (a closed loop): streaming
+N clients per side, each sending its next request when its previous one finished (a closed loop), spread over
+--client-procs processes on both sides alike (default: a process per 8 CPUs, at most one per stream), so that one
+client process's CPU does not cap the rate it measures (streaming
 /v1/completions through the official `openai` async client on one side, streaming ensemble requests over
-tritonclient's asyncio gRPC (the frontend's own EnsembleClient, serving/openai/ensemble_client.py) on the other.
+tritonclient's asyncio gRPC (the frontend's own EnsembleClient, serving/openai/ensemble_client.py) on the other).
 Both send the same prompts (~--prompt-tokens tokens), --output-tokens with ignore_eos, so both generate exactly
 requests x output-tokens tokens. Each prompt starts with its own tag, so that no request is served from the prefix
 cache that an earlier one (or the other side) filled. Prints per side output tok/s and TTFT p50/p90 (time to the
@@ -23,9 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Awaitable, Callable
@@ -111,10 +115,93 @@ def grpc_request(client, max_tokens: int) -> OneRequest:
     return one
 
 
+def tagged_prompts(side: str, prompts: list[str], concurrency: int, warmup: int) -> tuple[list[str], list[str]]:
+    """(warm-up prompts, timed prompts), each opened by its own tag so that no request hits the prefix cache."""
+    return ([f"[{side} {concurrency} warm {i}] {p}" for i, p in enumerate(prompts[:warmup])],
+            [f"[{side} {concurrency} {i:05d}] {p}" for i, p in enumerate(prompts)])
+
+
+@dataclass(frozen=True)
+class ClientSpec:
+    """What a client process needs to build its side's client (picklable: crosses into the process)."""
+
+    side: str
+    openai_url: str
+    grpc_url: str | None
+    api_key: str
+    model: str
+    output_tokens: int
+    timeout: float
+
+
+def _client_process(spec: ClientSpec, warm: list[str], timed: list[str], concurrency: int, barrier, out) -> None:
+    """A share of one side's clients in a process of its own: warm up, wait for every process, run, report."""
+    async def main() -> list[tuple[float, int]]:
+        async with side_client(spec) as one:
+            await closed_loop(one, warm, concurrency)
+            barrier.wait()
+            return (await closed_loop(one, timed, concurrency))[1]
+    try:
+        out.put(asyncio.run(main()))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
+        barrier.abort()
+        out.put(e)
+
+
+class side_client:
+    """`async with side_client(spec) as one`: one side's client for a process, closed at the end."""
+
+    def __init__(self, spec: ClientSpec) -> None:
+        self.spec = spec
+
+    async def __aenter__(self) -> OneRequest:
+        if self.spec.side == "openai":
+            import openai
+
+            self.client = openai.AsyncOpenAI(base_url=self.spec.openai_url, api_key=self.spec.api_key, max_retries=0,
+                                             timeout=self.spec.timeout)
+            return openai_request(self.client, self.spec.model, self.spec.output_tokens)
+        from freetoken_core.serving.openai.ensemble_client import EnsembleClient
+
+        self.client = EnsembleClient(self.spec.grpc_url)
+        return grpc_request(self.client, self.spec.output_tokens)
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+
+
+def run_side_in_processes(spec: ClientSpec, prompts: list[str], concurrency: int, warmup: int,
+                          procs: int) -> SideResult:
+    """One side's closed loop with its clients spread over `procs` processes; the clock runs from the moment every
+    process has warmed up until the last one's last request ended."""
+    ctx = multiprocessing.get_context("spawn")
+    warm, timed = tagged_prompts(spec.side, prompts, concurrency, warmup)
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, daemon=True,
+                           args=(spec, warm[i::procs], timed[i::procs], len(range(i, concurrency, procs)), barrier, out))
+               for i in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        barrier.wait(timeout=spec.timeout)
+    except threading.BrokenBarrierError:
+        pass  # a process failed before the start: its exception is in `out`
+    t0 = time.perf_counter()
+    shares = [out.get(timeout=spec.timeout * len(timed)) for _ in workers]
+    seconds = time.perf_counter() - t0
+    for w in workers:
+        w.join()
+    if errors := [r for r in shares if isinstance(r, BaseException)]:
+        raise errors[0]
+    results = [r for share in shares for r in share]
+    ttfts = [1e3 * t for t, _ in results]
+    return SideResult(spec.side, concurrency, len(results), sum(n for _, n in results), seconds,
+                      percentile(ttfts, 0.5), percentile(ttfts, 0.9))
+
+
 async def run_side(side: str, one: OneRequest, prompts: list[str], concurrency: int, warmup: int) -> SideResult:
-    tagged = [f"[{side} {concurrency} {i:05d}] {p}" for i, p in enumerate(prompts)]
-    await closed_loop(one, [f"[{side} {concurrency} warm {i}] {p}" for i, p in enumerate(prompts[:warmup])],
-                      concurrency)
+    warm, tagged = tagged_prompts(side, prompts, concurrency, warmup)
+    await closed_loop(one, warm, concurrency)
     seconds, results = await closed_loop(one, tagged, concurrency)
     ttfts = [1e3 * t for t, _ in results]
     return SideResult(side, concurrency, len(results), sum(n for _, n in results), seconds,
@@ -135,12 +222,19 @@ async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult
             n = args.requests or 4 * c
             batch = [prompts[i % len(prompts)] for i in range(n)]
             warmup = min(n, max(2, c)) if args.warmup is None else args.warmup
+            procs = min(c, args.client_procs)
             for side in args.sides:
-                one = openai_request(oa, model, args.output_tokens) if side == "openai" else \
-                    grpc_request(grpc, args.output_tokens)
-                r = await run_side(side, one, batch, c, warmup)
+                if procs > 1:
+                    spec = ClientSpec(side, args.openai_url, args.grpc_url, args.api_key, model, args.output_tokens,
+                                      args.timeout)
+                    r = await asyncio.to_thread(run_side_in_processes, spec, batch, c, warmup, procs)
+                else:
+                    one = openai_request(oa, model, args.output_tokens) if side == "openai" else \
+                        grpc_request(grpc, args.output_tokens)
+                    r = await run_side(side, one, batch, c, warmup)
                 print(f"concurrency {c}: {side:6s} {r.tok_s:9.1f} output tok/s, TTFT p50 {r.ttft_p50_ms:.1f} ms "
-                      f"p90 {r.ttft_p90_ms:.1f} ms ({r.requests} requests, {r.output_tokens} tokens)", flush=True)
+                      f"p90 {r.ttft_p90_ms:.1f} ms ({r.requests} requests, {r.output_tokens} tokens, "
+                      f"{procs} client process{'es' if procs > 1 else ''})", flush=True)
                 results.append(r)
     finally:
         await grpc.close()
@@ -183,7 +277,8 @@ def start_served(args: argparse.Namespace):
     handle = start_server(overrides, ready_timeout=900, log_path=logs / "freetoken-bench-openai-tritonserver.log")
     try:
         port = free_ports(1)[0]
-        handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir, FrontendOptions(port=port, host="127.0.0.1"),
+        handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir,
+                                         FrontendOptions(port=port, host="127.0.0.1", workers=args.openai_workers),
                                          log_path=logs / "freetoken-bench-openai-frontend.log",
                                          metrics_url=handle.metrics_url)
     except BaseException:
@@ -222,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--sides", nargs="+", choices=["grpc", "openai"], default=["grpc", "openai"])
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--client-procs", type=int, default=max(1, (os.cpu_count() or 1) // 8),
+                   help="processes the clients of a side are spread over (at most one per stream)")
+    p.add_argument("--openai-workers", type=int, default=1,
+                   help="with --serve-*: the OpenAI API's worker processes (`serve --openai-workers`)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     if bad := [pair for pair in args.param if "=" not in pair]:

@@ -436,7 +436,8 @@ def test_cached_tokens_of_a_shared_prefix(client):
 
 def test_bench_openai_drives_both_sides(triton_server, frontend, tmp_path):
     """benchmarks/bench_openai.py against the served SmolLM2: each side, at each concurrency, generates exactly
-    requests x output tokens (ignore_eos), and both report a first-token time."""
+    requests x output tokens (ignore_eos), and both report a first-token time; at 2 streams the clients run in
+    2 processes."""
     import subprocess
     import sys
 
@@ -445,7 +446,7 @@ def test_bench_openai_drives_both_sides(triton_server, frontend, tmp_path):
     run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_openai.py"),
                           "--openai-url", f"http://127.0.0.1:{frontend}/v1", "--grpc-url", triton_server.grpc_url,
                           "--concurrency", "1,2", "--requests", "4", "--warmup", "1", "--prompt-tokens", "24",
-                          "--output-tokens", "3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                          "--output-tokens", "3", "--client-procs", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())
     assert sorted((r["side"], r["concurrency"]) for r in results) == [("grpc", 1), ("grpc", 2), ("openai", 1),
@@ -453,3 +454,4 @@ def test_bench_openai_drives_both_sides(triton_server, frontend, tmp_path):
     assert all(r["requests"] == 4 and r["output_tokens"] == 12 and r["tok_s"] > 0 for r in results), results
     assert all(0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] for r in results), results
     assert "| 2 |" in run.stdout and "OpenAI / gRPC" in run.stdout
+    assert run.stdout.count("2 client processes") == 2, run.stdout
