@@ -17,6 +17,15 @@ from freetoken_core.kernels.fp8_gemm_ref import dequantize_tokens_fp8
 from tests.kernels.test_fp8_gemv import DEV, TOL, _randn, fp8_weight, needs_cuda
 
 
+def w8a8_tol(want: torch.Tensor, dtype: torch.dtype) -> dict:
+    """fp32 on the GPU: Hopper's FP8 MMA keeps only ~14 mantissa bits while it sums one K step (DeepSeek-V3's
+    "limited accumulation precision"), so there the w8a8 product is held to 2e-3 of the output's scale (~20 of
+    those ulps) instead of fp32's 1e-4; the interpreter's fp32 dot is exact."""
+    if DEV != "cuda" or dtype != torch.float32:
+        return TOL[dtype]
+    return dict(atol=2e-3 * want.abs().max().item(), rtol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_per_token_group_quant_is_exact(dtype):
     x = _randn(7, 300, dtype=dtype, seed=1) * torch.logspace(-3, 3, 300, device=DEV).to(dtype)
@@ -51,7 +60,8 @@ def test_fp8_gemm_w8a8_matches_reference(dtype, m, n, k):
     x = _randn(m, k, dtype=dtype, seed=1)
     b = _randn(n, dtype=dtype, seed=3)
     got = fp8_gemm_w8a8(x, q, s, b)
-    torch.testing.assert_close(got, w8a8_gemm_reference(x, q, s, b), **TOL[dtype])
+    want = w8a8_gemm_reference(x, q, s, b)
+    torch.testing.assert_close(got, want, **w8a8_tol(want, dtype))
     # and near the unquantized activations' product (the activation rounding is all that differs)
     near = fp8_gemv_reference(x.float(), q, s, b.float())
     assert (got.float() - near).norm() < 0.05 * near.norm()
@@ -72,8 +82,8 @@ def test_fp8_gemm_blocks_other_than_128_and_no_rows():
     x = _randn(18, 160, seed=1)
     torch.testing.assert_close(fp8_gemm_weight_only(x, q, s, block=block), fp8_gemv_reference(x, q, s, block=block),
                                **TOL[torch.float32])
-    torch.testing.assert_close(fp8_gemm_w8a8(x, q, s, block=block), w8a8_gemm_reference(x, q, s, block=block),
-                               **TOL[torch.float32])
+    want = w8a8_gemm_reference(x, q, s, block=block)
+    torch.testing.assert_close(fp8_gemm_w8a8(x, q, s, block=block), want, **w8a8_tol(want, torch.float32))
     assert fp8_gemm_w8a8(x[:0], q, s, block=block).shape == (0, 80)
 
 
@@ -83,8 +93,9 @@ def test_fp8_linear_picks_a_kernel_by_rows(m, monkeypatch):
     q, s = fp8_weight(48, 160)
     x = _randn(m, 160, seed=m)
     b = _randn(48, seed=3)
-    ref = w8a8_gemm_reference if m >= 32 else fp8_gemv_reference
-    torch.testing.assert_close(fp8_linear(x, q, s, b), ref(x, q, s, b), **TOL[torch.float32])
+    want = (w8a8_gemm_reference if m >= 32 else fp8_gemv_reference)(x, q, s, b)
+    tol = w8a8_tol(want, torch.float32) if m >= 32 else TOL[torch.float32]
+    torch.testing.assert_close(fp8_linear(x, q, s, b), want, **tol)
 
 
 @needs_cuda

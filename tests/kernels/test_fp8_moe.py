@@ -107,6 +107,19 @@ def test_fp8_experts_refuse_a_bad_scale_grid():
         fp8_fused_moe(_randn(1, H), q13, s13[:, :1], q2, s2, w, ids)
 
 
+def assert_close_bf16_experts(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 experts against their fp32-internal reference: the kernels round the intermediate activation to bf16
+    (or to e4m3 per token group, w8a8) where the reference keeps fp32, so a rounding flipped there moves an output
+    by several of its own ulps. Held to: 99.9% of elements within 3e-2 + 3e-2|want|, none off by more than 1% of
+    the output's largest magnitude, and 1% of its norm overall."""
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    outside = err > 3e-2 + 3e-2 * want.abs()
+    assert outside.float().mean() <= 1e-3, f"{int(outside.sum())} of {want.numel()} elements off by up to {err.max()}"
+    assert err.max() <= 1e-2 * want.abs().max(), (err.max(), want.abs().max())
+    assert (got - want).norm() <= 1e-2 * want.norm()
+
+
 @needs_cuda
 @pytest.mark.parametrize("num_tokens", [1, 4, 64])
 def test_fp8_experts_bf16_on_gpu(num_tokens):
@@ -114,8 +127,7 @@ def test_fp8_experts_bf16_on_gpu(num_tokens):
     x = _randn(num_tokens, 2048, dtype=torch.bfloat16, seed=1)
     w, ids = routing(num_tokens, 8, 128)
     want = fp8_fused_moe_reference(x, q13, s13, q2, s2, w, ids)
-    torch.testing.assert_close(fp8_fused_moe(x, q13, s13, q2, s2, w, ids), want, atol=3e-2, rtol=3e-2)
+    assert_close_bf16_experts(fp8_fused_moe(x, q13, s13, q2, s2, w, ids), want)
     if num_tokens > 8:
         got = fp8_fused_moe_grouped(x, q13, s13, q2, s2, w, ids, w8a8=True)
-        want = fp8_fused_moe_w8a8_reference(x, q13, s13, q2, s2, w, ids)
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        assert_close_bf16_experts(got, fp8_fused_moe_w8a8_reference(x, q13, s13, q2, s2, w, ids))
