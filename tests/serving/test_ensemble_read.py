@@ -1,0 +1,62 @@
+"""The frontend's reading of an ensemble response (serving/openai/ensemble_client.py): each output decoded once,
+the same arrays as tritonclient's own `as_numpy`, on a real ModelInferResponse as Triton sends it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+grpc_service = pytest.importorskip("tritonclient.grpc.service_pb2")
+from tritonclient.grpc import InferResult  # noqa: E402
+from tritonclient.utils import serialize_byte_tensor  # noqa: E402
+
+from freetoken_core.serving.openai.ensemble_client import decode_outputs, read_step  # noqa: E402
+
+
+def _response(outputs: dict[str, tuple[str, np.ndarray]], no_raw: str | None = None) -> InferResult:
+    """A ModelInferResponse with these outputs (name -> (Triton datatype, array)) in raw_output_contents; `no_raw`
+    is an output sent in the typed `contents` field instead, last, as an older server may."""
+    response = grpc_service.ModelInferResponse(model_name="ensemble", id="r1")
+    for name, (datatype, array) in outputs.items():
+        out = response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        if name == no_raw:
+            out.contents.bytes_contents.extend([bytes(v) for v in array.reshape(-1)])
+            continue
+        raw = serialize_byte_tensor(array).item() if datatype == "BYTES" else array.tobytes()
+        response.raw_output_contents.append(raw)
+    return InferResult(response)
+
+
+def test_decoded_outputs_are_as_numpy_s_arrays():
+    outputs = {
+        "text_output": ("BYTES", np.array([" héllo".encode()], dtype=np.object_)),
+        "next_tokens": ("INT32", np.array([[17, 4, 99]], dtype=np.int32)),
+        "logprobs": ("FP32", np.array([-0.5, -1.25, -3.0], dtype=np.float32)),
+        "finish_reason": ("BYTES", np.array([b"length"], dtype=np.object_)),
+        "num_input_tokens": ("INT32", np.array([20], dtype=np.int32)),
+        "num_output_tokens": ("INT32", np.array([3], dtype=np.int32)),
+        "num_cached_tokens": ("INT32", np.array([16], dtype=np.int32)),
+        "top_logprob_ids": ("INT32", np.array([17, 3, 4, 5, 99, 7], dtype=np.int32)),
+        "top_logprobs": ("FP32", np.array([-0.5, -2, -1.25, -1.5, -3, -4], dtype=np.float32)),
+        "empty": ("INT32", np.zeros((0,), dtype=np.int32)),
+        "typed": ("BYTES", np.array([b"x", b"yz"], dtype=np.object_)),
+    }
+    result = _response(outputs, no_raw="typed")
+    decoded = decode_outputs(result)
+    assert set(decoded) == set(outputs)
+    for name in outputs:
+        want = result.as_numpy(name)
+        assert decoded[name].shape == want.shape and decoded[name].dtype == want.dtype, name
+        assert decoded[name].tolist() == want.tolist(), name
+    step = read_step(result)
+    assert step.text == " héllo" and step.token_ids == (17, 4, 99) and step.logprobs == (-0.5, -1.25, -3.0)
+    assert type(step.token_ids[0]) is int and type(step.logprobs[0]) is float
+    assert step.finish_reason == "length"
+    assert (step.num_input_tokens, step.num_output_tokens, step.num_cached_tokens) == (20, 3, 16)
+    assert step.top_logprobs == (((17, -0.5), (3, -2.0)), ((4, -1.25), (5, -1.5)), ((99, -3.0), (7, -4.0)))
+
+
+def test_a_response_without_the_optional_outputs():
+    step = read_step(_response({"text_output": ("BYTES", np.array([b""], dtype=np.object_))}))
+    assert step.text == "" and step.token_ids == () and step.logprobs == () and step.finish_reason == ""
+    assert step.num_input_tokens is None and step.num_cached_tokens is None and step.top_logprobs == ()
