@@ -78,7 +78,8 @@ if [ -n "${TRACE:-}" ]; then
   extra+=(--server-arg=--trace-config=triton,file=$TRACE --server-arg=--trace-config=triton,log-frequency=20
           --server-arg=--trace-config=level=OFF)
 fi
-python3 -m freetoken_core.cli serve --model-path "$model" --device cuda --dtype bfloat16 \
+# --no-openai: this script measures Triton's own endpoints, and a host without the `openai` extra can run it
+python3 -m freetoken_core.cli serve --model-path "$model" --device cuda --dtype bfloat16 --no-openai \
   --max-running-req "$max_running" --http-port 8000 --grpc-port 8001 --metrics-port 8002 "${extra[@]}" "$@" \
   > "$work/serve.log" 2>&1 &
 server=$!
