@@ -240,8 +240,7 @@ def summary_line(name: str, r: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rf = load_peer_template()
-    ap.add_argument("--shape", choices=sorted(rf.SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="one of .peer/run_freetoken.py's shapes")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-len", type=int, default=2000)
@@ -262,6 +261,9 @@ def main() -> int:
     ap.add_argument("--check-only", action="store_true", help="no GPU: config resolution + API names")
     ap.add_argument("--json", help="write the results here too (with the output tokens)")
     args = ap.parse_args()
+    rf = load_peer_template()  # after --help, which needs no peer files
+    if args.shape not in rf.SHAPES:
+        ap.error(f"--shape must be one of {sorted(rf.SHAPES)}, got {args.shape!r}")
     if args.check_only:
         check_only(args, rf)
         return 0
