@@ -137,7 +137,7 @@ class ClientSpec:
 def _client_process(spec: ClientSpec, warm: list[str], timed: list[str], concurrency: int, barrier, out) -> None:
     """A share of one side's clients in a process of its own: warm up, wait for every process, run, report."""
     async def main() -> list[tuple[float, int]]:
-        async with side_client(spec) as one:
+        async with SideClient(spec) as one:
             await closed_loop(one, warm, concurrency)
             barrier.wait()
             return (await closed_loop(one, timed, concurrency))[1]
@@ -148,8 +148,8 @@ def _client_process(spec: ClientSpec, warm: list[str], timed: list[str], concurr
         out.put(e)
 
 
-class side_client:
-    """`async with side_client(spec) as one`: one side's client for a process, closed at the end."""
+class SideClient:
+    """`async with SideClient(spec) as one`: one side's client for a process, closed at the end."""
 
     def __init__(self, spec: ClientSpec) -> None:
         self.spec = spec
