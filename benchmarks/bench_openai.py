@@ -18,6 +18,11 @@ Both send the same prompts (~--prompt-tokens tokens), --output-tokens with ignor
 requests x output-tokens tokens. Each prompt starts with its own tag, so that no request is served from the prefix
 cache that an earlier one (or the other side) filled. Prints per side output tok/s and TTFT p50/p90 (time to the
 first token-carrying response), and the ratio OpenAI / gRPC; --json writes the same numbers.
+
+--load-generator perf_analyzer (perf_analyzer on PATH, e.g. the GPU host's) drives both sides with the same C++ load
+generator instead: streaming /v1/chat/completions (its `openai` service kind) against the ensemble over gRPC streaming,
+the same one-message chat on each; per side a warm-up, then a run of up to --pa-trials windows of --pa-ms, its numbers
+from the profile export (benchmarks/openai_pa.py).
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import multiprocessing
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Awaitable, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_serving import SHAPES  # noqa: E402 (benchmarks/ on the path first)
+import openai_pa  # noqa: E402 (benchmarks/ on the path first)
+from bench_serving import SHAPES  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,19 @@ async def run_side(side: str, one: OneRequest, prompts: list[str], concurrency: 
                       percentile(ttfts, 0.5), percentile(ttfts, 0.9))
 
 
+def run_side_pa(args: argparse.Namespace, side: str, model: str, prompts: list[str], concurrency: int,
+                workdir: Path) -> SideResult:
+    """One side at one concurrency under perf_analyzer: --pa-prompts tagged prompts (so that none repeats within a
+    run, nor hits the prefix cache that another filled)."""
+    batch = [prompts[i % len(prompts)] for i in range(args.pa_prompts)]
+    warm, timed = tagged_prompts(side, batch, concurrency, len(batch))
+    target = openai_pa.PaTarget(side, args.openai_url, args.grpc_url, model, args.api_key, args.output_tokens,
+                                args.perf_analyzer)
+    m = openai_pa.run_side(target, warm, timed, concurrency, args.pa_ms, args.pa_trials, workdir)
+    return SideResult(side, concurrency, m.requests, round(m.output_tokens), m.seconds,
+                      percentile(m.ttfts_ms, 0.5), percentile(m.ttfts_ms, 0.9))
+
+
 async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult]:
     import openai
 
@@ -217,6 +238,8 @@ async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult
     grpc = EnsembleClient(args.grpc_url)
     model = args.model or (await oa.models.list()).data[0].id
     results = []
+    workdir = Path(tempfile.mkdtemp(prefix="freetoken-bench-openai-pa-")) if args.load_generator == "perf_analyzer" \
+        else None
     try:
         for c in args.concurrency:
             n = args.requests or 4 * c
@@ -224,7 +247,9 @@ async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult
             warmup = min(n, max(2, c)) if args.warmup is None else args.warmup
             procs = min(c, args.client_procs)
             for side in args.sides:
-                if procs > 1:
+                if workdir is not None:
+                    r = await asyncio.to_thread(run_side_pa, args, side, model, prompts, c, workdir)
+                elif procs > 1:
                     spec = ClientSpec(side, args.openai_url, args.grpc_url, args.api_key, model, args.output_tokens,
                                       args.timeout)
                     r = await asyncio.to_thread(run_side_in_processes, spec, batch, c, warmup, procs)
@@ -232,9 +257,11 @@ async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult
                     one = openai_request(oa, model, args.output_tokens) if side == "openai" else \
                         grpc_request(grpc, args.output_tokens)
                     r = await run_side(side, one, batch, c, warmup)
+                clients = f"perf_analyzer, exports in {workdir}" if workdir is not None else \
+                    f"{procs} client process{'es' if procs > 1 else ''}"
                 print(f"concurrency {c}: {side:6s} {r.tok_s:9.1f} output tok/s, TTFT p50 {r.ttft_p50_ms:.1f} ms "
-                      f"p90 {r.ttft_p90_ms:.1f} ms ({r.requests} requests, {r.output_tokens} tokens, "
-                      f"{procs} client process{'es' if procs > 1 else ''})", flush=True)
+                      f"p90 {r.ttft_p90_ms:.1f} ms ({r.requests} requests, {r.output_tokens} tokens, {clients})",
+                      flush=True)
                 results.append(r)
     finally:
         await grpc.close()
@@ -258,9 +285,6 @@ def table(results: list[SideResult]) -> str:
 def start_served(args: argparse.Namespace):
     """tritonserver + the OpenAI API on free ports, as `freetoken-core serve` starts them; returns the handle (its
     stop() stops both) and sets args.grpc_url / args.openai_url / args.model_path to them."""
-    import tempfile
-    from pathlib import Path
-
     from bench_serving import shape_model_dir
 
     from freetoken_core.models.gguf import default_model_path
@@ -321,6 +345,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes the clients of a side are spread over (at most one per stream)")
     p.add_argument("--openai-workers", type=int, default=1,
                    help="with --serve-*: the OpenAI API's worker processes (`serve --openai-workers`)")
+    p.add_argument("--load-generator", choices=["python", "perf_analyzer"], default="python",
+                   help="python: the openai SDK against tritonclient (/v1/completions); perf_analyzer: perf_analyzer "
+                        "on both sides (/v1/chat/completions; --requests, --warmup, --client-procs unused)")
+    p.add_argument("--perf-analyzer", default="perf_analyzer", help="the perf_analyzer binary")
+    p.add_argument("--pa-ms", type=int, default=4000, help="perf_analyzer's measurement window (ms)")
+    p.add_argument("--pa-trials", type=int, default=6, help="perf_analyzer's most windows to reach stability")
+    p.add_argument("--pa-prompts", type=int, default=16384,
+                   help="distinct tagged prompts a perf_analyzer run cycles through (more than it sends: none repeats)")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
     if bad := [pair for pair in args.param if "=" not in pair]:
@@ -340,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if handle is not None:
             handle.stop()
-    print(f"\n~{args.prompt_tokens} prompt / {args.output_tokens} output tokens (ignore_eos), streaming, closed loop")
+    print(f"\n~{args.prompt_tokens} prompt / {args.output_tokens} output tokens (ignore_eos), streaming, closed loop, "
+          f"load generator {args.load_generator}")
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -18,7 +18,7 @@ from tests.benchmark_scripts import BENCHMARKS
 
 REPO = BENCHMARKS.parent
 # modules other scripts import, not tools
-HELPERS = {"soak_requests.py"}
+HELPERS = {"soak_requests.py", "openai_pa.py"}
 # perf_analyzer's helpers read sys.argv themselves (sub-commands and file lists): their usage is their docstring
 NO_ARGPARSE = {"pa_clients.py", "pa_export.py", "pa_summary.py"}
 SCRIPTS = sorted(p for p in [*BENCHMARKS.glob("*.py"), *(BENCHMARKS / "dev").glob("*.py")]

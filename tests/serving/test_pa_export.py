@@ -1,9 +1,12 @@
 """benchmarks/dev/pa_export.py --arrivals and pa_summary.py trace read what a one-stream run's time is made of: when each
-token reached the client, and the per-model timeline of any ensemble (whatever its name: here "floor")."""
+token reached the client, and the per-model timeline of any ensemble (whatever its name: here "floor"); benchmarks/openai_pa.py
+reads an OpenAI and a Triton export alike (bench_openai.py --load-generator perf_analyzer)."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from tests.benchmark_scripts import load_benchmark
 
@@ -144,3 +147,107 @@ def test_senders_summarize_each_runs_sender_reports(tmp_path):
     # the senders table beside a setting's ensemble table is not read as its rows
     _, served = summary.parse_ab_output(AB_OUTPUT)
     assert served["defaults"][64]["tok_s"] == 32000.0
+
+
+def _sse(*chunks: dict | str) -> dict:
+    """One read of an OpenAI SSE stream as perf_analyzer's profile export holds it: {"response": raw text}."""
+    return {"response": "".join(f"data: {c if isinstance(c, str) else json.dumps(c)}\n\n" for c in chunks)}
+
+
+def _delta(**delta) -> dict:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def _req(t0_ms: float, stamps_ms: list[float], outputs: list[dict] | None = None) -> dict:
+    ns = lambda ms: int(ms * 1e6)  # noqa: E731
+    req = {"timestamp": ns(t0_ms), "response_timestamps": [ns(t) for t in stamps_ms]}
+    if outputs is not None:
+        req["response_outputs"] = outputs
+    return req
+
+
+def _export(concurrency: int, requests: list[dict], bounds_ms: list[float]) -> dict:
+    """A decoy experiment at another concurrency first: summarize picks the one asked for."""
+    decoy = {"experiment": {"mode": "concurrency", "value": 1}, "requests": [_req(0, [1])], "window_boundaries": [0, 1]}
+    return {"experiments": [decoy, {"experiment": {"mode": "concurrency", "value": concurrency}, "requests": requests,
+                                    "window_boundaries": [int(b * 1e6) for b in bounds_ms]}]}
+
+
+# windows 0-100-200-300-400 ms: the measured span is the last 3, 100-400 ms (0.3 s); 4 output tokens a request
+BOUNDS = [0, 100, 200, 300, 400]
+
+
+def test_openai_export_counts_the_chunks_that_carry_text():
+    pa = load_benchmark("openai_pa")
+    cut = json.dumps(_delta(content="D"))
+    requests = [
+        # sent before the span (no TTFT); text at 80, 120 (two events in one read) and 170 (an event cut in two,
+        # counted where it ends): 4/3 tokens each, 2 of them in the span
+        _req(50, [60, 80, 120, 150, 170, 180], [
+            _sse(_delta(role="assistant", content="")), _sse(_delta(content="A")),
+            _sse(_delta(content="B"), _delta(content="C")), {"response": "data: " + cut[:20]},
+            {"response": cut[20:] + "\n\n"}, _sse({"choices": [{"delta": {}, "finish_reason": "length"}]}, "[DONE]")]),
+        # 4 text reads in the span, the last with [DONE] in the same read: 1 token each; TTFT 190 - 150 = 40
+        _req(150, [160, 190, 250, 300, 350], [
+            _sse(_delta(role="assistant")), _sse(_delta(content="x")), _sse(_delta(content="y")),
+            _sse(_delta(content="z")), _sse(_delta(content="w"), "[DONE]")]),
+        # sent in the span, its tokens after it: TTFT 410 - 380 = 30, no tokens counted
+        _req(380, [390, 410, 420, 430], [_sse(_delta(role="assistant")), _sse(_delta(content="q")),
+                                         _sse(_delta(content="r")), _sse("[DONE]")]),
+        # a completions-style chunk (choices[0].text): all 4 tokens at 260; TTFT 60
+        _req(200, [260, 270], [_sse({"choices": [{"index": 0, "text": "hi"}]}), _sse("[DONE]")]),
+    ]
+    m = pa.summarize(_export(16, requests, BOUNDS), "openai", 16, 4)
+    assert m.requests == 3 and m.seconds == pytest.approx(0.3)
+    assert m.output_tokens == pytest.approx(8 / 3 + 4 + 0 + 4)
+    assert sorted(m.ttfts_ms) == pytest.approx([30.0, 40.0, 60.0])
+    assert m.output_tokens / m.seconds == pytest.approx(35.5556, rel=1e-4)
+
+
+def test_triton_export_counts_the_responses_with_text_output():
+    pa = load_benchmark("openai_pa")
+
+    def out(text: str, tokens=5) -> dict:  # every ensemble output is in each response; an absent one is ""
+        return {"text_output": text, "next_tokens": tokens if text else "", "finish_reason": ""}
+
+    requests = [
+        # sent before the span: text at 110, 140, 200 (an empty text_output at 130, the empty final at 210): all in
+        _req(90, [110, 130, 140, 200, 210], [out("Hel"), out(""), out("lo", [6, 7]), out(" w"), out("")]),
+        # TTFT 20; text at 320, 390 (in) and 405 (after the span): 8/3 tokens in
+        _req(300, [320, 390, 405, 410], [out("a"), out("b"), out("c"), out("")]),
+        # no outputs exported: every response counts, 2 of 3 in the span; TTFT 30
+        _req(120, [150, 250, 420]),
+    ]
+    m = pa.summarize(_export(16, requests, BOUNDS), "grpc", 16, 4)
+    assert m.requests == 2 and m.seconds == pytest.approx(0.3)
+    assert m.output_tokens == pytest.approx(4 + 8 / 3 + 8 / 3)
+    assert sorted(m.ttfts_ms) == pytest.approx([20.0, 30.0])
+    # fewer than 4 boundaries: the whole span; none: first send to last response
+    assert pa.measured_span({"window_boundaries": [5, 9]}) == (5, 9)
+    assert pa.measured_span({"requests": requests[1:]}) == (int(120e6), int(420e6))
+
+
+def test_perf_analyzer_inputs_and_commands_send_the_same_chat_on_both_sides(tmp_path):
+    pa = load_benchmark("openai_pa")
+    chat = [{"role": "user", "content": "[openai 4 00000] hello"}]
+    oa = pa.PaTarget("openai", "http://127.0.0.1:9000/v1", "127.0.0.1:8001", "smol", "unused", 64)
+    grpc = pa.PaTarget("grpc", "http://127.0.0.1:9000/v1", "127.0.0.1:8001", "smol", "unused", 64)
+    body = json.loads(json.dumps(pa.input_data(oa, [chat[0]["content"], "b"])))
+    assert len(body["data"]) == 2
+    assert body["data"][0]["payload"] == [{"model": "smol", "messages": chat, "max_tokens": 64, "stream": True,
+                                           "ignore_eos": True}]
+    tensors = json.loads(json.dumps(pa.input_data(grpc, [chat[0]["content"], "b"])))["data"][0]
+    assert json.loads(tensors.pop("messages")[0]) == chat
+    assert tensors == {"max_tokens": [64], "ignore_eos": [True], "stream": [True]}
+
+    load = pa.measured_args(4, 4000, 6, tmp_path / "e.json")
+    assert pa.command(oa, tmp_path / "d.json", load) == [
+        "perf_analyzer", "-m", "smol", "--service-kind", "openai", "--endpoint", "v1/chat/completions",
+        "-u", "127.0.0.1:9000", "-i", "http", "--async", "--input-data", str(tmp_path / "d.json"),
+        "--concurrency-range", "4", "--max-threads", "4", "--measurement-interval", "4000",
+        "--stability-percentage", "10", "--max-trials", "6", "--percentile", "50",
+        "--profile-export-file", str(tmp_path / "e.json")]
+    keyed = pa.command(pa.PaTarget("openai", "http://h:1/api/v1", None, "smol", "sk-1", 64), tmp_path / "d.json", [])
+    assert keyed[keyed.index("-H") + 1] == "Authorization:Bearer sk-1" and "api/v1/chat/completions" in keyed
+    assert pa.command(grpc, tmp_path / "d.json", [])[:8] == [
+        "perf_analyzer", "-m", "ensemble", "-u", "127.0.0.1:8001", "-i", "grpc", "--streaming"]
