@@ -244,6 +244,7 @@ def bench_model(label: str, model_dir: Path, dummy: bool, args, bw: float, mm: f
         max_extend_tokens=max(args.prefill, 8192), load_format="dummy" if dummy else "auto",
         memory_fraction=0.8, cuda_graph=not args.no_graph, tensor_parallel_size=args.tp,
         linear_state_dtype=args.linear_state_dtype, quantization=args.quant,
+        enable_prefix_caching=not args.no_prefix_cache,
     )
     t0 = time.perf_counter()
     sched = Scheduler(cfg)  # shape dirs hold only config.json: token ids in, token ids out
@@ -314,13 +315,15 @@ def main() -> None:
     ap.add_argument("--hf-tokens", type=int, default=64)
     ap.add_argument("--linear-state-dtype", default="float32", choices=["float32", "bfloat16"],
                     help="hybrid (GDN) shapes: the recurrent state's dtype (issue 15 reports both)")
+    ap.add_argument("--no-prefix-cache", action="store_true",
+                    help="engine without the prefix cache (the A/B of requests that never hit it)")
     args = ap.parse_args()
     args.bs = [int(x) for x in args.bs.split(",")]
     args.prompts = [int(x) for x in args.prompts.split(",")]
     dev = torch.device("cuda")
     bw, mm = copy_bandwidth(dev), matmul_rate(dev)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
-    suffix = f" ({args.quant})" if args.quant else ""
+    suffix = (f" ({args.quant})" if args.quant else "") + (" (no prefix cache)" if args.no_prefix_cache else "")
     if args.model:
         bench_model(Path(args.model).name + suffix, Path(args.model), False, args, bw, mm)
         return
