@@ -205,6 +205,8 @@ def run_prefill(sched: Scheduler, n: int) -> float:
     while sched.has_work():
         sched.step()
     torch.cuda.synchronize()
+    # new tokens: the warm-up's would be served from the prefix cache
+    ids = torch.randint(10, sched.engine.vocab_size - 10, (n,)).tolist()
     sched.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True))
     t0 = time.perf_counter()
     while sched.has_work():

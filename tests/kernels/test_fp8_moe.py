@@ -110,13 +110,14 @@ def test_fp8_experts_refuse_a_bad_scale_grid():
 def assert_close_bf16_experts(got: torch.Tensor, want: torch.Tensor) -> None:
     """bf16 experts against their fp32-internal reference: the kernels round the intermediate activation to bf16
     (or to e4m3 per token group, w8a8) where the reference keeps fp32, so a rounding flipped there moves an output
-    by several of its own ulps. Held to: 99.9% of elements within 3e-2 + 3e-2|want|, none off by more than 1% of
-    the output's largest magnitude, and 1% of its norm overall."""
+    by several of its own ulps (0.25 on outputs up to 22.5 seen on an H100: two bf16 ulps there). Held to: 99.9% of
+    elements within 3e-2 + 3e-2|want|, none off by more than 2% of the output's largest magnitude, and 1% of its
+    norm overall."""
     got, want = got.float(), want.float()
     err = (got - want).abs()
     outside = err > 3e-2 + 3e-2 * want.abs()
     assert outside.float().mean() <= 1e-3, f"{int(outside.sum())} of {want.numel()} elements off by up to {err.max()}"
-    assert err.max() <= 1e-2 * want.abs().max(), (err.max(), want.abs().max())
+    assert err.max() <= 2e-2 * want.abs().max(), (err.max(), want.abs().max())
     assert (got - want).norm() <= 1e-2 * want.norm()
 
 
