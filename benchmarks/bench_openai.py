@@ -289,7 +289,7 @@ def start_served(args: argparse.Namespace):
 
     from freetoken_core.models.gguf import default_model_path
     from freetoken_core.serving.launch.server import free_ports, start_server
-    from freetoken_core.serving.openai.process import FrontendOptions, start_frontend
+    from freetoken_core.serving.openai.process import FrontendOptions, default_workers, start_frontend
 
     overrides = dict(pair.split("=", 1) for pair in args.param)
     model = args.serve_model
@@ -301,8 +301,9 @@ def start_served(args: argparse.Namespace):
     handle = start_server(overrides, ready_timeout=900, log_path=logs / "freetoken-bench-openai-tritonserver.log")
     try:
         port = free_ports(1)[0]
+        workers = args.openai_workers or default_workers()
         handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir,
-                                         FrontendOptions(port=port, host="127.0.0.1", workers=args.openai_workers),
+                                         FrontendOptions(port=port, host="127.0.0.1", workers=workers),
                                          log_path=logs / "freetoken-bench-openai-frontend.log",
                                          metrics_url=handle.metrics_url)
     except BaseException:
@@ -343,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--client-procs", type=int, default=max(1, (os.cpu_count() or 1) // 8),
                    help="processes the clients of a side are spread over (at most one per stream)")
-    p.add_argument("--openai-workers", type=int, default=1,
-                   help="with --serve-*: the OpenAI API's worker processes (`serve --openai-workers`)")
+    p.add_argument("--openai-workers", type=int, default=None,
+                   help="with --serve-*: the OpenAI API's worker processes (`serve --openai-workers`; default as serve's)")
     p.add_argument("--load-generator", choices=["python", "perf_analyzer"], default="python",
                    help="python: the openai SDK against tritonclient (/v1/completions); perf_analyzer: perf_analyzer "
                         "on both sides (/v1/chat/completions; --requests, --warmup, --client-procs unused)")

@@ -369,7 +369,8 @@ def test_serve_options_of_the_frontend(monkeypatch):
     import argparse
 
     from freetoken_core.serving.launch.serve import add_serve_args
-    from freetoken_core.serving.openai.process import API_KEY_ENV, DEFAULT_OPENAI_PORT, frontend_options
+    from freetoken_core.serving.openai.process import (API_KEY_ENV, DEFAULT_OPENAI_PORT, default_workers,
+                                                       frontend_options)
 
     p = argparse.ArgumentParser()
     add_serve_args(p)
@@ -380,7 +381,8 @@ def test_serve_options_of_the_frontend(monkeypatch):
     monkeypatch.setenv(API_KEY_ENV, "k")
     opts = frontend_options(p.parse_args(["--openai-port", "9100", "--served-model-name", "m"]))
     assert (opts.port, opts.served_model_name, opts.api_key) == (9100, "m", "k")
-    assert opts.workers == 1 and frontend_options(p.parse_args(["--openai-workers", "3"])).workers == 3
+    assert opts.workers == default_workers() and frontend_options(p.parse_args(["--openai-workers", "3"])).workers == 3
+    assert [default_workers(cpus) for cpus in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 8]
     with pytest.raises(ValueError, match="--openai-workers must be from 1 to 64, got 0"):
         frontend_options(p.parse_args(["--openai-workers", "0"]))
 

@@ -27,8 +27,18 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "FREETOKEN_API_KEY"
 DEFAULT_OPENAI_PORT = 9000
 MAX_WORKERS = 64
+# one worker process per this many host CPUs, at most MAX_DEFAULT_WORKERS: on a 16-CPU H100 host one process held
+# 0.70x of the gRPC ensemble's tok/s at 16 streams and four 0.95x (benchmarks/RESULTS.md, OpenAI-compatible API)
+CPUS_PER_DEFAULT_WORKER = 4
+MAX_DEFAULT_WORKERS = 8
 # the app's settings, for worker processes uvicorn spawns (they build the app from them: app_from_env)
 _WORKER_SETTINGS_ENV = "FREETOKEN_OPENAI_WORKER_SETTINGS"
+
+
+def default_workers(cpus: int | None = None) -> int:
+    """The frontend's processes when --openai-workers is not given: one per CPUS_PER_DEFAULT_WORKER host CPUs."""
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, min(MAX_DEFAULT_WORKERS, cpus // CPUS_PER_DEFAULT_WORKER))
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,9 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                    help=f"port of the OpenAI-compatible API (default {DEFAULT_OPENAI_PORT})")
     p.add_argument("--no-openai", action="store_true", help="do not start the OpenAI-compatible API")
     p.add_argument("--served-model-name", help="the model id of the OpenAI API (default: the model directory's name)")
-    p.add_argument("--openai-workers", type=int, default=1,
-                   help="processes serving the OpenAI API on its one port (default 1)")
+    p.add_argument("--openai-workers", type=int, default=None,
+                   help="processes serving the OpenAI API on its one port (default: one per "
+                        f"{CPUS_PER_DEFAULT_WORKER} CPUs, 1 to {MAX_DEFAULT_WORKERS})")
     p.add_argument("--api-key", default=None,
                    help=f"clients of the OpenAI API must send 'Authorization: Bearer <key>' (default ${API_KEY_ENV})")
 
@@ -104,7 +115,8 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions | None:
     if args.no_openai:
         return None
     return FrontendOptions(port=args.openai_port, host=args.host, served_model_name=args.served_model_name,
-                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, workers=args.openai_workers)
+                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                           workers=default_workers() if args.openai_workers is None else args.openai_workers)
 
 
 def main(argv: list[str] | None = None) -> int:
