@@ -195,7 +195,7 @@ class EngineConfig:
     # reuse the K/V pages (and, on hybrid models, linear-state snapshots) of earlier requests' common prefixes
     # (kvcache/prefix_cache.py): a chat's next turn or a shared system prompt is not prefilled again
     enable_prefix_caching: bool = True
-    # hybrid (GDN) models: GiB of linear-state snapshot slots (None: min(4 GiB, 10% of the KV budget)), and
+    # hybrid (GDN) models: GiB of linear-state snapshot slots (None: half of the KV budget), and
     # the spacing in tokens of the periodic snapshots taken from chunked prefill of long contexts
     prefix_cache_state_gb: float | None = None
     prefix_cache_state_interval: int = 512

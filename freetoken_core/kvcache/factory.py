@@ -18,8 +18,11 @@ from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
-STATE_GB_CAP = 4.0  # default snapshot budget: min(4 GiB, STATE_SHARE of the K/V budget)
-STATE_SHARE = 0.10
+# The default snapshot budget: half of the K/V budget (LightLLM's default mamba_cache_ratio; SGLang gives its mamba
+# pool 0.9x the full-attention K/V). A hybrid's K/V is small (a quarter of its layers attend) while a conversation's
+# snapshot is tens of MiB: at 10% an 80 GB card held about a dozen for 64 chats and hit 1.2% of prompt tokens
+# (benchmarks/RESULTS.md, Prefix cache).
+STATE_SHARE = 0.5
 
 
 def cache_kind(config: EngineConfig, linear: LinearStatePool | None, tensor_parallel: bool) -> str:
@@ -34,15 +37,18 @@ def cache_kind(config: EngineConfig, linear: LinearStatePool | None, tensor_para
 
 
 def plan_snapshots(config: EngineConfig, linear: LinearStatePool, num_pages: int, bytes_per_page: int) -> tuple[int, int]:
-    """(snapshot slots, K/V pages left). The default budget is min(4 GiB, 10% of the K/V budget); an explicit
+    """(snapshot slots, K/V pages left). The default budget is STATE_SHARE of the K/V budget; an explicit
     `num_pages` keeps its pages, a computed count gives the snapshots their bytes."""
     per_slot = LinearStatePool.bytes_per_slot(linear.specs, linear.conv[0].dtype, linear.recurrent[0].dtype)
     kv_bytes = num_pages * bytes_per_page
     budget = (config.prefix_cache_state_gb * 2**30 if config.prefix_cache_state_gb is not None
-              else min(STATE_GB_CAP * 2**30, STATE_SHARE * kv_bytes))
+              else STATE_SHARE * kv_bytes)
     slots = int(budget // per_slot)
     if config.num_pages is None:
         num_pages = max(2, num_pages - (slots * per_slot + bytes_per_page - 1) // bytes_per_page)
+    if slots < config.max_running_req:
+        log.warning("prefix cache: %d linear-state snapshot slots for max_running_req=%d: with more conversations "
+                    "than slots most of their turns miss (raise prefix_cache_state_gb)", slots, config.max_running_req)
     log.info("prefix cache: %d linear-state snapshot slots of %.2f MiB (%.2f GiB, prefix_cache_state_gb), "
              "a periodic snapshot every %d tokens", slots, per_slot / 2**20, slots * per_slot / 2**30,
              config.prefix_cache_state_interval)

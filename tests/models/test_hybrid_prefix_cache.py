@@ -12,7 +12,7 @@ from freetoken_core.kvcache.hybrid import HybridCacheManager
 from tests.models.hybrid_checkpoints import VOCAB, make_tiny_hybrid
 from tests.prefix_chat import assert_all_back, assert_later_turns_hit, random_traffic, run_chats, token_ids
 
-STATE_GB = 0.01  # the default (10% of these tiny K/V pools) holds no snapshot of even a tiny model
+STATE_GB = 0.01  # set, not the default share of these tiny K/V pools: the tests need slots enough for every turn
 CHAT = dict(num_convs=4, num_turns=3, system_len=64, new_len=5, max_tokens=6, vocab=(3, VOCAB))
 
 
