@@ -289,7 +289,7 @@ def start_served(args: argparse.Namespace):
 
     from freetoken_core.models.gguf import default_model_path
     from freetoken_core.serving.launch.server import free_ports, start_server
-    from freetoken_core.serving.openai.process import FrontendOptions, default_workers, start_frontend
+    from freetoken_core.serving.openai.process import FrontendOptions, start_frontend
 
     overrides = dict(pair.split("=", 1) for pair in args.param)
     model = args.serve_model
@@ -301,9 +301,9 @@ def start_served(args: argparse.Namespace):
     handle = start_server(overrides, ready_timeout=900, log_path=logs / "freetoken-bench-openai-tritonserver.log")
     try:
         port = free_ports(1)[0]
-        workers = args.openai_workers or default_workers()
+        workers = {"workers": args.openai_workers} if args.openai_workers else {}
         handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir,
-                                         FrontendOptions(port=port, host="127.0.0.1", workers=workers),
+                                         FrontendOptions(port=port, host="127.0.0.1", **workers),
                                          log_path=logs / "freetoken-bench-openai-frontend.log",
                                          metrics_url=handle.metrics_url)
     except BaseException:

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from freetoken_core.lifetime import die_with_parent, watch_parent
@@ -47,7 +47,7 @@ class FrontendOptions:
     host: str = "0.0.0.0"
     served_model_name: str | None = None
     api_key: str | None = None  # else FREETOKEN_API_KEY, else none
-    workers: int = 1  # uvicorn worker processes sharing the port (one is enough until its CPU is)
+    workers: int = field(default_factory=default_workers)  # uvicorn worker processes sharing the port
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= MAX_WORKERS:
