@@ -51,10 +51,11 @@ def _whole(model, req, steps) -> dict:
 
 
 def _streamed(model, req, steps) -> list[str]:
+    """The SSE events of a streamed answer (one write may carry several: the role chunk rides with the first delta)."""
     async def run():
-        return [e async for e in chat_completion_stream(req, model, steps[0], _aiter(steps[1:]))]
+        return "".join([e async for e in chat_completion_stream(req, model, steps[0], _aiter(steps[1:]))])
 
-    return asyncio.run(run())
+    return [event + "\n\n" for event in asyncio.run(run()).split("\n\n") if event]
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])

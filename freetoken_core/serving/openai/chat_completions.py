@@ -81,16 +81,21 @@ async def chat_completion_stream(req: ChatCompletionRequest, model: ServedModel,
             delta["tool_calls"] = tool_call_delta_dicts(list(d.calls))
         return delta
 
-    yield chunk({"role": "assistant", "content": ""})
+    # the role chunk goes out in one write with the first delta: one send less before the first token
+    pending = chunk({"role": "assistant", "content": ""})
     try:
         async for step in all_steps(first, rest):
             tally.add(step)
             d = pipe.feed(step.text)
             logprobs = {"content": _logprob_entries(model, step)} if req.logprobs and step.token_ids else None
             if d or logprobs:
-                yield chunk(delta_of(d), logprobs=logprobs)
+                yield pending + chunk(delta_of(d), logprobs=logprobs)
+                pending = ""
+            elif pending:
+                yield pending
+                pending = ""
     except EngineError as e:  # after the first response the status is sent: the error goes in the stream
-        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        yield pending + sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         yield SSE_DONE
         return
     d = pipe.finish()
