@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 # The default snapshot budget: half of the K/V budget (LightLLM's default mamba_cache_ratio; SGLang gives its mamba
 # pool 0.9x the full-attention K/V). A hybrid's K/V is small (a quarter of its layers attend) while a conversation's
-# snapshot is tens of MiB: at 10% an 80 GB card held about a dozen for 64 chats and hit 1.2% of prompt tokens
+# snapshot is tens of MiB: at 10% a 64-chat run of Qwen3.6's shape held at most six and hit 1.2% of prompt tokens
 # (benchmarks/RESULTS.md, Prefix cache).
 STATE_SHARE = 0.5
 
