@@ -301,7 +301,7 @@ def start_served(args: argparse.Namespace):
     handle = start_server(overrides, ready_timeout=900, log_path=logs / "freetoken-bench-openai-tritonserver.log")
     try:
         port = free_ports(1)[0]
-        workers = {"workers": args.openai_workers} if args.openai_workers else {}
+        workers = {} if args.openai_workers is None else {"workers": args.openai_workers}
         handle.frontend = start_frontend(handle.grpc_url, handle.repo_dir,
                                          FrontendOptions(port=port, host="127.0.0.1", **workers),
                                          log_path=logs / "freetoken-bench-openai-frontend.log",

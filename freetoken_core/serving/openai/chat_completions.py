@@ -88,11 +88,9 @@ async def chat_completion_stream(req: ChatCompletionRequest, model: ServedModel,
             tally.add(step)
             d = pipe.feed(step.text)
             logprobs = {"content": _logprob_entries(model, step)} if req.logprobs and step.token_ids else None
-            if d or logprobs:
-                yield pending + chunk(delta_of(d), logprobs=logprobs)
-                pending = ""
-            elif pending:
-                yield pending
+            event = chunk(delta_of(d), logprobs=logprobs) if d or logprobs else ""
+            if pending or event:
+                yield pending + event
                 pending = ""
     except EngineError as e:  # after the first response the status is sent: the error goes in the stream
         yield pending + sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})

@@ -114,9 +114,9 @@ def frontend_options(args: argparse.Namespace) -> FrontendOptions | None:
     """The frontend `serve` starts, or None with --no-openai."""
     if args.no_openai:
         return None
+    workers = {} if args.openai_workers is None else {"workers": args.openai_workers}  # else the options' default
     return FrontendOptions(port=args.openai_port, host=args.host, served_model_name=args.served_model_name,
-                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                           workers=default_workers() if args.openai_workers is None else args.openai_workers)
+                           api_key=args.api_key or os.environ.get(API_KEY_ENV) or None, **workers)
 
 
 def main(argv: list[str] | None = None) -> int:
