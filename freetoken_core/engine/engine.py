@@ -82,11 +82,13 @@ class Engine:
         # found once: the verify replay runs every speculative step
         self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
         self.last_verify_state: LinearStateStep | None = None
-        num_pages = self._num_pages(shape, max_running_req)
+        budget_bytes, max_pages = self._kv_budget(shape, max_running_req)
+        num_pages = min(budget_bytes // shape.bytes_per_page(), max_pages)
         kind = cache_kind(config, self.linear_pool, self.tp is not None)
         snapshots = 0
-        if kind == "hybrid":  # the prefix cache's linear-state snapshots take their share of the K/V budget
-            snapshots, num_pages = plan_snapshots(config, self.linear_pool, num_pages, shape.bytes_per_page())
+        if kind == "hybrid":  # the prefix cache's linear-state snapshots take their share of the budget
+            snapshots, num_pages = plan_snapshots(config, self.linear_pool, budget_bytes, max_pages,
+                                                  shape.bytes_per_page())
         self.kv_cache = KVCache(shape, num_pages, self.device)
         self.cache = make_cache_manager(kind, config, num_pages, max_running_req, self.max_seq_len, self.device,
                                         self.kv_cache, self.linear_pool, snapshots)
@@ -242,21 +244,22 @@ class Engine:
         for layer in self.gdn_layers:
             layer.replay_accepted(step, kept)
 
-    def _num_pages(self, shape: KVCacheShape, max_running_req: int) -> int:
+    def _kv_budget(self, shape: KVCacheShape, max_running_req: int) -> tuple[int, int]:
+        """(bytes for the K/V pages, the most pages worth having: every row at full length, +1 dummy page). An
+        explicit `num_pages` (usable pages, as the metrics count them) gives its pages' bytes."""
         cfg = self.config
-        # never more than every row could use at full length (+1 dummy page)
-        useful = max_running_req * pages_for(self.max_seq_len, cfg.page_size) + 1
-        if cfg.num_pages is not None:  # usable pages, as the metrics count them (+1: the dummy page)
-            return min(cfg.num_pages + 1, useful)
+        bytes_per_page = shape.bytes_per_page()
+        max_pages = max_running_req * pages_for(self.max_seq_len, cfg.page_size) + 1
+        if cfg.num_pages is not None:
+            return min(cfg.num_pages + 1, max_pages) * bytes_per_page, max_pages
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * cfg.memory_fraction
         else:
             budget = cfg.kv_cache_gb * (1 << 30)
-        n = int(budget // shape.bytes_per_page())
-        if n < 2:
-            raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB holds no page of {shape.bytes_per_page()} bytes")
-        return min(n, useful)
+        if budget // bytes_per_page < 2:
+            raise MemoryError(f"KV cache budget {budget / 2**30:.2f} GiB holds no page of {bytes_per_page} bytes")
+        return int(budget), max_pages
 
     def _capture_graphs(self) -> None:
         max_bs = self.resolved.cuda_graph_max_bs

@@ -1,6 +1,6 @@
 """Which cache manager an engine gets, by cache kind: `plain` (no prefix cache), `radix` (the page trie of
 kvcache/prefix_cache.py) or `hybrid` (the trie plus linear-state snapshots of kvcache/hybrid.py); and the
-snapshot pool's size, taken out of the K/V budget."""
+snapshot pool's size, taken out of the memory budget the K/V pages share."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
-# The default snapshot budget: half of the K/V budget (LightLLM's default mamba_cache_ratio; SGLang gives its mamba
-# pool 0.9x the full-attention K/V). A hybrid's K/V is small (a quarter of its layers attend) while a conversation's
-# snapshot is tens of MiB: at 10% a 64-chat run of Qwen3.6's shape held at most six and hit 1.2% of prompt tokens
-# (benchmarks/RESULTS.md, Prefix cache).
+# The default snapshot budget: half of the memory budget (LightLLM's default mamba_cache_ratio; SGLang gives its mamba
+# pool 0.9x the full-attention K/V), plus whatever the K/V pages cannot use: a hybrid's K/V is small (a quarter of its
+# layers attend) while a conversation's snapshot is tens of MiB, so a cap at the pages every row can fill left a
+# 64-chat run of Qwen3.6's shape at most six slots (benchmarks/RESULTS.md, Prefix cache).
 STATE_SHARE = 0.5
 
 
@@ -36,22 +36,30 @@ def cache_kind(config: EngineConfig, linear: LinearStatePool | None, tensor_para
     return "hybrid"
 
 
-def plan_snapshots(config: EngineConfig, linear: LinearStatePool, num_pages: int, bytes_per_page: int) -> tuple[int, int]:
-    """(snapshot slots, K/V pages left). The default budget is STATE_SHARE of the K/V budget; an explicit
-    `num_pages` keeps its pages, a computed count gives the snapshots their bytes."""
+def plan_snapshots(config: EngineConfig, linear: LinearStatePool, budget_bytes: int, max_pages: int,
+                   bytes_per_page: int) -> tuple[int, int]:
+    """(snapshot slots, K/V pages) out of `budget_bytes`, the memory the K/V pages would otherwise have (an explicit
+    `num_pages`: those pages' bytes). K/V pages take (1 - STATE_SHARE) of it, never more than `max_pages` (every row
+    at full length), and the snapshots the rest; an explicit `num_pages` keeps its pages and the snapshots come on
+    top (STATE_SHARE of the pages' bytes); an explicit `prefix_cache_state_gb` is taken out of the budget."""
     per_slot = LinearStatePool.bytes_per_slot(linear.specs, linear.conv[0].dtype, linear.recurrent[0].dtype)
-    kv_bytes = num_pages * bytes_per_page
-    budget = (config.prefix_cache_state_gb * 2**30 if config.prefix_cache_state_gb is not None
-              else STATE_SHARE * kv_bytes)
-    slots = int(budget // per_slot)
-    if config.num_pages is None:
-        num_pages = max(2, num_pages - (slots * per_slot + bytes_per_page - 1) // bytes_per_page)
+    fixed_pages = config.num_pages is not None
+    if config.prefix_cache_state_gb is not None:
+        state_bytes = config.prefix_cache_state_gb * 2**30
+    elif fixed_pages:
+        state_bytes = STATE_SHARE * budget_bytes
+    else:
+        state_bytes = budget_bytes - min(max_pages * bytes_per_page, (1 - STATE_SHARE) * budget_bytes)
+    slots = int(state_bytes // per_slot)
+    num_pages = budget_bytes // bytes_per_page
+    if not fixed_pages:
+        num_pages = max(2, min(max_pages, int((budget_bytes - slots * per_slot) // bytes_per_page)))
     if slots < config.max_running_req:
         log.warning("prefix cache: %d linear-state snapshot slots for max_running_req=%d: with more conversations "
                     "than slots most of their turns miss (raise prefix_cache_state_gb)", slots, config.max_running_req)
-    log.info("prefix cache: %d linear-state snapshot slots of %.2f MiB (%.2f GiB, prefix_cache_state_gb), "
-             "a periodic snapshot every %d tokens", slots, per_slot / 2**20, slots * per_slot / 2**30,
-             config.prefix_cache_state_interval)
+    log.info("prefix cache: %d linear-state snapshot slots of %.2f MiB (%.2f GiB, prefix_cache_state_gb) beside %d "
+             "K/V pages, a periodic snapshot every %d tokens", slots, per_slot / 2**20, slots * per_slot / 2**30,
+             num_pages, config.prefix_cache_state_interval)
     return slots, num_pages
 
 
