@@ -18,7 +18,7 @@ ARG TORCH_SPEC=torch
 COPY pyproject.toml README.md ./
 COPY freetoken_core ./freetoken_core
 COPY model_repository ./model_repository
-RUN pip install "$TORCH_SPEC" "numpy<2" && pip install -e ".[gpu]" "tritonclient[all]" python-rapidjson requests fastapi uvicorn
+RUN pip install "$TORCH_SPEC" "numpy<2" && pip install -e ".[gpu]" "tritonclient[all]" python-rapidjson requests fastapi uvicorn uvloop httptools
 
 # Fetch and convert the default model at build time so the container starts offline.
 RUN freetoken-core fetch-model
