@@ -70,6 +70,7 @@ class ServerHandle:
     host: str = "127.0.0.1"  # where clients of this process reach it
     ensemble_secret: str = ""  # the server's (serving/triton/ensemble_secret.py): for tests that play the tokenizer step
     frontend: subprocess.Popen | None = None  # the OpenAI API (serving/openai/process.py), stopped first
+    metrics_on: bool = True  # False: an extra --allow-metrics=false, so readiness does not wait for the port
     _owned_dirs: list[Path] = field(default_factory=list)
 
     @property
@@ -131,13 +132,15 @@ def _http_ok(url: str) -> bool:
 
 
 def wait_ready(handle: ServerHandle, timeout: float = 600.0, models: tuple[str, ...] = MODEL_NAMES) -> None:
-    """Poll until the server and every model report ready; fail fast if the server exits."""
+    """Poll until the server and every model report ready and the metrics port answers (tritonserver opens it
+    after the HTTP port); fail fast if the server exits."""
     deadline = time.monotonic() + timeout
     base = f"http://{handle.http_url}"
     while time.monotonic() < deadline:
         if not handle.alive():
             raise RuntimeError(f"tritonserver exited with code {handle.process.returncode}:\n{handle.log_tail()}")
-        if _http_ok(f"{base}/v2/health/ready") and all(_http_ok(f"{base}/v2/models/{m}/ready") for m in models):
+        if (_http_ok(f"{base}/v2/health/ready") and all(_http_ok(f"{base}/v2/models/{m}/ready") for m in models)
+                and (not handle.metrics_on or _http_ok(handle.metrics_url))):
             return
         time.sleep(0.5)
     handle.stop()
@@ -253,8 +256,11 @@ def spawn_tritonserver(
                             start_new_session=True, preexec_fn=preexec)
     guard = start_guard(GuardOrders(proc.pid, run.tag, tuple(map(str, owned_dirs))))
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    metrics_flags = [a.split("=", 1)[1] for a in extra_args or [] if a.startswith("--allow-metrics=")]
     return ServerHandle(proc, Path(repo_dir), http_port, grpc_port, metrics_port, log_path, admin_key=admin_key,
-                        run=run, guard=guard, host=client_host, ensemble_secret=secret, _owned_dirs=list(owned_dirs))
+                        run=run, guard=guard, host=client_host, ensemble_secret=secret,
+                        metrics_on=not metrics_flags or metrics_flags[-1].lower() not in ("false", "0"),
+                        _owned_dirs=list(owned_dirs))
 
 
 def chain_preexec(*steps: Callable[[], None]) -> Callable[[], None]:
