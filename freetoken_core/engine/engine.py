@@ -83,12 +83,12 @@ class Engine:
         self.gdn_layers = [m for m in self.model.modules() if hasattr(m, "replay_accepted")]
         self.last_verify_state: LinearStateStep | None = None
         budget_bytes, max_pages = self._kv_budget(shape, max_running_req)
-        num_pages = min(budget_bytes // shape.bytes_per_page(), max_pages)
         kind = cache_kind(config, self.linear_pool, self.tp is not None)
-        snapshots = 0
         if kind == "hybrid":  # the prefix cache's linear-state snapshots take their share of the budget
             snapshots, num_pages = plan_snapshots(config, self.linear_pool, budget_bytes, max_pages,
                                                   shape.bytes_per_page())
+        else:
+            snapshots, num_pages = 0, min(budget_bytes // shape.bytes_per_page(), max_pages)
         self.kv_cache = KVCache(shape, num_pages, self.device)
         self.cache = make_cache_manager(kind, config, num_pages, max_running_req, self.max_seq_len, self.device,
                                         self.kv_cache, self.linear_pool, snapshots)
