@@ -12,15 +12,17 @@ the request asks for `finish_reason` in every response).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import os
+import struct
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping
 
 import grpc
 import numpy as np
-from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, triton_to_np_dtype
+from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 
 ENSEMBLE_MODEL = "ensemble"
 # What each OpenAI request asks of every response: the finish reason ends the stream; the counts become `usage`
@@ -109,59 +111,71 @@ class EnsembleStep:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()  # per token: (id, logprob), best first
 
 
-def _top_logprobs(ids: np.ndarray | None, values: np.ndarray | None, num_tokens: int):
+def _top_logprobs(ids: list[int] | None, values: list[float] | None, num_tokens: int):
     """The flat top_logprob_ids / top_logprobs outputs (n per token) -> per token (id, logprob) pairs."""
-    if ids is None or values is None or not num_tokens or ids.size % num_tokens:
+    if not ids or values is None or not num_tokens or len(ids) % num_tokens:
         return ()
-    n = ids.size // num_tokens
-    pairs = list(zip(ids.reshape(-1).tolist(), values.reshape(-1).tolist()))
+    n = len(ids) // num_tokens
+    pairs = list(zip(ids, values))
     return tuple(tuple(pairs[i * n:(i + 1) * n]) for i in range(num_tokens))
 
 
-def decode_outputs(result: Any) -> dict[str, np.ndarray]:
-    """Every output of a tritonclient InferResult, decoded once: `as_numpy(name)` scans the response's outputs
-    again for each name, which made reading a response the frontend's largest cost per streamed chunk."""
+_BYTES_LENGTH = struct.Struct("<I")  # each element of a raw BYTES tensor: its length, then its bytes
+
+
+def _bytes_elements(data: bytes) -> list[bytes]:
+    elements, offset, end = [], 0, len(data)
+    while offset < end:
+        (length,) = _BYTES_LENGTH.unpack_from(data, offset)
+        offset += 4
+        elements.append(data[offset:offset + length])
+        offset += length
+    return elements
+
+
+@functools.cache
+def _numpy_dtype(datatype: str) -> np.dtype:
+    return np.dtype(triton_to_np_dtype(datatype))
+
+
+def decode_outputs(result: Any) -> dict[str, list[Any]]:
+    """Every output of a tritonclient InferResult as a flat list of Python values (bytes for BYTES), decoded once
+    and without numpy arrays: reading responses is a large share of the frontend's CPU time per streamed chunk."""
     response = result.get_response()
     raw = response.raw_output_contents
     num_raw = len(raw)
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, list[Any]] = {}
     for index, output in enumerate(response.outputs):
-        datatype = output.datatype
         if index < num_raw:
             data = raw[index]
-            array = deserialize_bytes_tensor(data) if datatype == "BYTES" else \
-                np.frombuffer(data, dtype=triton_to_np_dtype(datatype))
-        elif output.contents.bytes_contents:
-            array = np.array(output.contents.bytes_contents)
-        else:
-            array = np.empty(0, dtype=triton_to_np_dtype(datatype))
-        out[output.name] = array.reshape(tuple(output.shape))
+            out[output.name] = _bytes_elements(data) if output.datatype == "BYTES" else \
+                np.frombuffer(data, dtype=_numpy_dtype(output.datatype)).tolist()
+        else:  # an older server's typed contents
+            out[output.name] = list(output.contents.bytes_contents)
     return out
 
 
 def read_step(result: Any) -> EnsembleStep:
     """A tritonclient InferResult -> EnsembleStep (absent outputs read as empty)."""
     outputs = decode_outputs(result)
-    text = outputs.get("text_output")
-    ids = outputs.get("next_tokens")
-    lps = outputs.get("logprobs")
-    reason = outputs.get("finish_reason")
+    get = outputs.get
+    text = get("text_output")
+    ids = get("next_tokens") or []
+    reason = get("finish_reason")
 
     def count(name: str) -> int | None:
-        a = outputs.get(name)
-        return int(a.reshape(-1)[0]) if a is not None and a.size else None
+        values = get(name)
+        return int(values[0]) if values else None
 
     return EnsembleStep(
-        text="".join(v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in text.reshape(-1))
-        if text is not None else "",
-        token_ids=tuple(ids.reshape(-1).tolist()) if ids is not None else (),
-        logprobs=tuple(lps.reshape(-1).tolist()) if lps is not None else (),
-        finish_reason=(reason.reshape(-1)[0].decode() if reason is not None and reason.size else ""),
+        text=b"".join(text).decode("utf-8") if text else "",
+        token_ids=tuple(ids),
+        logprobs=tuple(get("logprobs") or ()),
+        finish_reason=reason[0].decode() if reason else "",
         num_input_tokens=count("num_input_tokens"),
         num_output_tokens=count("num_output_tokens"),
         num_cached_tokens=count("num_cached_tokens"),
-        top_logprobs=_top_logprobs(outputs.get("top_logprob_ids"), outputs.get("top_logprobs"),
-                                   ids.size if ids is not None else 0),
+        top_logprobs=_top_logprobs(get("top_logprob_ids"), get("top_logprobs"), len(ids)),
     )
 
 
