@@ -81,25 +81,26 @@ async def chat_completion_stream(req: ChatCompletionRequest, model: ServedModel,
             delta["tool_calls"] = tool_call_delta_dicts(list(d.calls))
         return delta
 
-    # the role chunk goes out in one write with the first delta: one send less before the first token
+    # the role chunk goes out in one write with the first delta, and the last response's delta with the closing
+    # events: one send each, which is what a streamed chunk costs the frontend most
     pending = chunk({"role": "assistant", "content": ""})
     try:
         async for step in all_steps(first, rest):
             tally.add(step)
             d = pipe.feed(step.text)
             logprobs = {"content": _logprob_entries(model, step)} if req.logprobs and step.token_ids else None
-            event = chunk(delta_of(d), logprobs=logprobs) if d or logprobs else ""
-            if pending or event:
-                yield pending + event
+            pending += chunk(delta_of(d), logprobs=logprobs) if d or logprobs else ""
+            if pending and not step.finish_reason:
+                yield pending
                 pending = ""
     except EngineError as e:  # after the first response the status is sent: the error goes in the stream
-        yield pending + sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
-        yield SSE_DONE
+        yield pending + sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}) \
+            + SSE_DONE
         return
     d = pipe.finish()
     if d:
-        yield chunk(delta_of(d))
-    yield chunk({}, finish_reason=tally.openai_finish_reason(pipe.num_calls > 0))
+        pending += chunk(delta_of(d))
+    pending += chunk({}, finish_reason=tally.openai_finish_reason(pipe.num_calls > 0))
     if include_usage:
-        yield sse({**base, "choices": [], "usage": tally.usage()})
-    yield SSE_DONE
+        pending += sse({**base, "choices": [], "usage": tally.usage()})
+    yield pending + SSE_DONE

@@ -70,8 +70,8 @@ async def completion_stream(req: CompletionRequest, model: ServedModel, first: E
             body["usage"] = None
         return sse(body)
 
-    if echo:
-        yield chunk(echo)
+    # the echo goes out with the first text, and the last response's text with the closing events (one send each)
+    pending = chunk(echo) if echo else ""
     try:
         async for step in all_steps(first, rest):
             tally.add(step)
@@ -81,12 +81,15 @@ async def completion_stream(req: CompletionRequest, model: ServedModel, first: E
                 logprobs.add(model, step)
                 lp = logprobs.body(start)
             if step.text or lp:
-                yield chunk(step.text, lp=lp)
+                pending += chunk(step.text, lp=lp)
+            if pending and not step.finish_reason:
+                yield pending
+                pending = ""
     except EngineError as e:
-        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
-        yield SSE_DONE
+        yield pending + sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}}) \
+            + SSE_DONE
         return
-    yield chunk("", finish_reason=tally.openai_finish_reason())
+    pending += chunk("", finish_reason=tally.openai_finish_reason())
     if include_usage:
-        yield sse({**base, "choices": [], "usage": tally.usage()})
-    yield SSE_DONE
+        pending += sse({**base, "choices": [], "usage": tally.usage()})
+    yield pending + SSE_DONE
