@@ -63,8 +63,16 @@ def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None,
         await client.close()
 
     app = FastAPI(title="freetoken OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_exception_handler(APIError, lambda _, e: _error(e))
-    app.add_exception_handler(RequestValidationError, lambda _, e: _validation_error(e))
+    # async handlers: Starlette runs a plain function's in its thread pool, a hop for every error answer
+
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return _error(e)
+
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _validation_error(e)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
 
     if api_key:
         expected = f"Bearer {api_key}".encode()
