@@ -83,7 +83,7 @@ def test_serve_options_of_the_frontend(monkeypatch):
     opts = frontend_options(p.parse_args(["--openai-port", "9100", "--served-model-name", "m"]))
     assert (opts.port, opts.served_model_name, opts.api_key) == (9100, "m", "k")
     assert opts.workers == default_workers() and frontend_options(p.parse_args(["--openai-workers", "3"])).workers == 3
-    assert [default_workers(cpus) for cpus in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 8]
+    assert [default_workers(cpus) for cpus in (1, 2, 3, 8, 16, 64)] == [1, 1, 1, 4, 8, 8]
     with pytest.raises(ValueError, match="--openai-workers must be from 1 to 64, got 0"):
         frontend_options(p.parse_args(["--openai-workers", "0"]))
 

@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "FREETOKEN_API_KEY"
 DEFAULT_OPENAI_PORT = 9000
 MAX_WORKERS = 64
-# one worker process per this many host CPUs, at most MAX_DEFAULT_WORKERS: on a 16-CPU H100 host one process held
-# 0.70x of the gRPC ensemble's tok/s at 16 streams and four 0.95x (benchmarks/RESULTS.md, OpenAI-compatible API)
-CPUS_PER_DEFAULT_WORKER = 4
+# one worker process per this many host CPUs, at most MAX_DEFAULT_WORKERS: on a 16-CPU H100 host eight processes
+# answered first tokens sooner than four at 16 and 64 streams, at about 40% of a CPU each (benchmarks/RESULTS.md,
+# OpenAI-compatible API)
+CPUS_PER_DEFAULT_WORKER = 2
 MAX_DEFAULT_WORKERS = 8
 # the app's settings, for worker processes uvicorn spawns (they build the app from them: app_from_env)
 _WORKER_SETTINGS_ENV = "FREETOKEN_OPENAI_WORKER_SETTINGS"
