@@ -240,7 +240,20 @@ def served_results(args: argparse.Namespace, vocab: int) -> dict:
             results["on" if on else "off"] = run_served(handle.grpc_url, args, vocab)
         finally:
             handle.stop()
+        results["on" if on else "off"]["server"] = server_plan(log_path)
     return results
+
+
+# the engine's start-up lines that say how the memory was split (pages, snapshot slots) and its retractions: what
+# explains a served run's numbers
+PLAN_MARKS = ("engine ready:", "linear-state pool:", "prefix cache:")
+RETRACT_MARK = "retracting request"
+
+
+def server_plan(log_path: Path) -> dict:
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    plan = [line[line.index(mark):] for line in lines for mark in PLAN_MARKS if mark in line]
+    return {"plan": plan, "retractions": sum(RETRACT_MARK in line for line in lines)}
 
 
 def add_tokenizer_files(model_dir: Path) -> None:
@@ -285,6 +298,10 @@ def report(results: dict, first_metric: str = "TTFT") -> None:
     print(f"throughput: {on['total_tok_s']:.0f} vs {off['total_tok_s']:.0f} tok/s total "
           f"({on['total_tok_s'] / off['total_tok_s']:.2f}x); cached {on['cached_prompt_tokens']} of "
           f"{on['prompt_tokens']} prompt tokens; same tokens: {same}")
+    for side in ("on", "off"):
+        server = results[side].get("server")
+        if server:
+            print(f"server, cache {side}: {server['retractions']} retractions; " + "; ".join(server["plan"]))
 
 
 def main() -> None:

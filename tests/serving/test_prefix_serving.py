@@ -105,3 +105,22 @@ def test_served_chat_benchmark_command_line(triton_server):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)
     assert report["prompt_tokens"] == 2 * (46 + 56) and report["cached_prompt_tokens"] >= 64, report
+
+
+def test_served_compare_reports_the_server_s_memory_plan(tmp_path):
+    """--compare keeps what explains a run's numbers from each server's log: its page / snapshot split and how often
+    it retracted a request."""
+    chat = load_benchmark("bench_prefix_chat")
+    log = tmp_path / "server.log"
+    log.write_text(
+        "I1207 model.py:1] engine ready: /m; 3 pages of 16 tokens\n"
+        "W1207 factory.py:57] prefix cache: 17 linear-state snapshot slots for max_running_req=64: ...\n"
+        "I1207 factory.py:60] prefix cache: 17 linear-state snapshot slots of 61.50 MiB (1.02 GiB) beside 90 K/V pages\n"
+        "I1207 scheduler.py:430] retracting request 7 (2100 tokens) to free KV pages\n"
+        "I1207 scheduler.py:430] retracting request 9 (2300 tokens) to free KV pages\n"
+        "I1207 other.py:1] unrelated\n")
+    server = chat.server_plan(log)
+    assert server["retractions"] == 2
+    assert server["plan"][0] == "engine ready: /m; 3 pages of 16 tokens"
+    assert len(server["plan"]) == 3 and all(line.startswith("prefix cache: 17") for line in server["plan"][1:])
+    assert chat.server_plan(tmp_path / "missing.log") == {"plan": [], "retractions": 0}
