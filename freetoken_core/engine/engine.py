@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -137,6 +138,7 @@ class Engine:
         prefill workspace and a K/V reserve (moe/residency.py), else offload; "none" for dense models."""
         from ..models.loader import load_config
         from ..moe.placement import moe_layout
+        from ..moe.residency import auto_strategy
         from .memory_plan import residency_plan
 
         strategy = self.config.moe_strategy
@@ -150,7 +152,13 @@ class Engine:
         free, _ = torch.cuda.mem_get_info(self.device)
         plan = residency_plan(self.config, hf_config, self.dtype, free, cuda_graph=cuda_graph)
         log.info(plan.describe())
-        return "resident" if plan.resident else "offload"
+        cfg = self.config
+        budget_given = any(v is not None for v in (cfg.moe_cache_slots, cfg.moe_cache_gb, cfg.moe_cache_rate))
+        strategy, cache_gb = auto_strategy(plan, budget_given)
+        if cache_gb is not None:  # the expert cache takes what the device holds beside the rest
+            log.info("moe_strategy auto -> offload with moe_cache_gb=%.2f", cache_gb)
+            self.config = dataclasses.replace(cfg, moe_cache_gb=cache_gb)
+        return strategy
 
     def _place_experts(self, cuda_graph: bool) -> tuple[list, int, bool]:
         """-> (the expert executors, max_running_req after the pool's batch clamp, whether decode may

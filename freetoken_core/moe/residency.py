@@ -35,6 +35,12 @@ class ResidencyPlan:
     def resident(self) -> bool:
         return self.need_bytes <= self.free_bytes
 
+    @property
+    def expert_budget_bytes(self) -> int:
+        """What the device holds for routed experts beside everything else: the offload cache's budget when
+        auto offloads and no budget was given (0 when even the rest does not fit)."""
+        return max(0, self.free_bytes - (self.need_bytes - self.expert_bytes))
+
     def describe(self) -> str:
         """The one log line that says why."""
         return (f"moe_strategy auto -> {'resident' if self.resident else 'offload'}: "
@@ -43,3 +49,16 @@ class ResidencyPlan:
                 f"{self.expert_bytes / GiB:.1f} + CUDA-graph pool {self.graph_pool_bytes / GiB:.2f} + prefill "
                 f"workspace {self.workspace_bytes / GiB:.2f} + K/V reserve {self.kv_reserve_bytes / GiB:.1f} "
                 f"({self.kv_reserve_tokens} tokens)")
+
+
+def auto_strategy(plan: ResidencyPlan, budget_given: bool) -> tuple[str, float | None]:
+    """-> ("resident" | "offload", the moe_cache_gb an offload gets when none of moe_cache_slots / moe_cache_gb /
+    moe_cache_rate was given: whatever the device holds beside the rest). MemoryError when not even that fits."""
+    if plan.resident:
+        return "resident", None
+    if budget_given:
+        return "offload", None
+    if plan.expert_budget_bytes <= 0:
+        raise MemoryError(f"the model does not fit this device even with every routed expert offloaded ("
+                          f"{plan.describe()}): lower max_running_req or max_seq_len, or use a larger device")
+    return "offload", plan.expert_budget_bytes / GiB

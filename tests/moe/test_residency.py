@@ -96,3 +96,24 @@ def test_fp8_counts_fp8_bytes_and_scales(monkeypatch):
     attn_fp8 = 48 * ((5120 * 2048 + 2048 * 4096) + (40 * 16 + 16 * 32) * 4)
     assert bf16.dense_bytes - fp8.dense_bytes == attn_bf16 - attn_fp8
     kernel_env.cache_clear()
+
+
+def test_auto_offload_gets_what_the_device_holds_beside_the_rest():
+    """auto -> offload without a budget: the expert cache takes the free memory the rest leaves (a budget that was
+    given stands; a device that holds not even the rest is a MemoryError that says why)."""
+    import pytest
+
+    from freetoken_core.moe.residency import auto_strategy
+
+    plan = ResidencyPlan(40 * GiB, dense_bytes=3 * GiB, expert_bytes=54 * GiB, graph_pool_bytes=GiB // 4,
+                         workspace_bytes=GiB, kv_reserve_bytes=12 * GiB, kv_reserve_tokens=32 * 4096)
+    assert not plan.resident and plan.expert_budget_bytes == 40 * GiB - (3 + 1 + 12) * GiB - GiB // 4
+    strategy, cache_gb = auto_strategy(plan, budget_given=False)
+    assert strategy == "offload" and cache_gb == 23.75
+    assert auto_strategy(plan, budget_given=True) == ("offload", None)
+    resident = ResidencyPlan(**{**plan.__dict__, "free_bytes": plan.need_bytes})
+    assert auto_strategy(resident, budget_given=False) == ("resident", None)
+    full = ResidencyPlan(**{**plan.__dict__, "free_bytes": 16 * GiB})
+    assert full.expert_budget_bytes == 0
+    with pytest.raises(MemoryError, match="does not fit this device even with every routed expert offloaded"):
+        auto_strategy(full, budget_given=False)
