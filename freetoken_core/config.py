@@ -205,6 +205,10 @@ class EngineConfig:
         speculation (a verify step runs them); every per-request allowance follows this."""
         return max(self.decode_rows_per_req, self.num_speculative_tokens + 1 if self.speculative else 1)
 
+    def moe_cache_budgets_given(self) -> int:
+        """How many of moe_cache_slots / moe_cache_gb / moe_cache_rate are set (at most one may be)."""
+        return sum(v is not None for v in (self.moe_cache_slots, self.moe_cache_gb, self.moe_cache_rate))
+
     def validate(self) -> None:
         """Raise a ValueError naming the field and its limit; never changes a field."""
         if self.speculative not in (None, "ngram"):
@@ -235,7 +239,7 @@ class EngineConfig:
             raise ValueError(f"unknown moe_strategy {self.moe_strategy!r}; known: {', '.join(MOE_STRATEGIES)}")
         if self.moe_device_cache not in ("auto", "on", "off"):
             raise ValueError(f"moe_device_cache must be auto, on or off, got {self.moe_device_cache!r}")
-        if sum(v is not None for v in (self.moe_cache_slots, self.moe_cache_gb, self.moe_cache_rate)) > 1:
+        if self.moe_cache_budgets_given() > 1:
             raise ValueError("set only one of moe_cache_slots, moe_cache_gb, moe_cache_rate")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

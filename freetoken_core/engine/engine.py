@@ -61,7 +61,7 @@ class Engine:
         from ..models.loader import load_model
 
         rows = config.decode_rows()
-        self.moe_strategy = self._moe_strategy(cuda_graph)
+        self.moe_strategy, self.config = self._moe_strategy(cuda_graph)
         self.model = load_model(config.model_path, self.dtype, self.device, load_format=config.load_format,
                                 expert_device="cpu" if self.moe_strategy not in ("resident", "none") else None,
                                 quantization=config.quantization, fp8_host_experts=self.moe_strategy == "offload")
@@ -133,32 +133,32 @@ class Engine:
         log.info("engine ready: %s; %s", config.model_path, self.resolved.describe())
 
     # --- MoE expert placement (freetoken_core/moe) ----------------------------------------------
-    def _moe_strategy(self, cuda_graph: bool) -> str:
-        """`auto`: resident when the experts fit the device beside the dense weights, the CUDA-graph pool, the
-        prefill workspace and a K/V reserve (moe/residency.py), else offload; "none" for dense models."""
+    def _moe_strategy(self, cuda_graph: bool) -> tuple[str, EngineConfig]:
+        """-> (the strategy, the config to place experts with). `auto`: resident when the experts fit the device
+        beside the dense weights, the CUDA-graph pool, the prefill workspace and a K/V reserve (moe/residency.py),
+        else offload, with the expert cache's budget set when none was given; "none" for dense models."""
         from ..models.loader import load_config
         from ..moe.placement import moe_layout
         from ..moe.residency import auto_strategy
         from .memory_plan import residency_plan
 
-        strategy = self.config.moe_strategy
-        hf_config = load_config(self.config.model_path)
-        if moe_layout(hf_config, self.dtype) is None:
-            return "none"
-        if strategy != "auto":
-            return strategy
-        if self.device.type != "cuda":
-            return "resident"
-        free, _ = torch.cuda.mem_get_info(self.device)
-        plan = residency_plan(self.config, hf_config, self.dtype, free, cuda_graph=cuda_graph)
-        log.info(plan.describe())
         cfg = self.config
-        budget_given = any(v is not None for v in (cfg.moe_cache_slots, cfg.moe_cache_gb, cfg.moe_cache_rate))
-        strategy, cache_gb = auto_strategy(plan, budget_given)
-        if cache_gb is not None:  # the expert cache takes what the device holds beside the rest
-            log.info("moe_strategy auto -> offload with moe_cache_gb=%.2f", cache_gb)
-            self.config = dataclasses.replace(cfg, moe_cache_gb=cache_gb)
-        return strategy
+        hf_config = load_config(cfg.model_path)
+        if moe_layout(hf_config, self.dtype) is None:
+            return "none", cfg
+        if cfg.moe_strategy != "auto":
+            return cfg.moe_strategy, cfg
+        if self.device.type != "cuda":
+            return "resident", cfg
+        free, _ = torch.cuda.mem_get_info(self.device)
+        plan = residency_plan(cfg, hf_config, self.dtype, free, cuda_graph=cuda_graph)
+        log.info(plan.describe())
+        strategy, cache_gb = auto_strategy(plan, budget_given=cfg.moe_cache_budgets_given() > 0)
+        if cache_gb is None:
+            return strategy, cfg
+        # the expert cache takes what the device holds beside the rest
+        log.info("moe_strategy auto -> offload with moe_cache_gb=%.2f", cache_gb)
+        return strategy, dataclasses.replace(cfg, moe_cache_gb=cache_gb)
 
     def _place_experts(self, cuda_graph: bool) -> tuple[list, int, bool]:
         """-> (the expert executors, max_running_req after the pool's batch clamp, whether decode may
