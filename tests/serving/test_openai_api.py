@@ -263,6 +263,27 @@ def test_unknown_model_is_404(client):
     assert e.value.body["param"] == "model"
 
 
+def _status_and_error(url: str, data: bytes | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_malformed_bodies_and_wrong_methods_are_openai_errors(frontend):
+    base = f"http://127.0.0.1:{frontend}/v1"
+    status, body = _status_and_error(f"{base}/chat/completions", b'{"model": "x", "messages": [')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    status, body = _status_and_error(f"{base}/completions", b'[1, 2]')
+    assert status == 400 and body["error"]["message"], body
+    status, body = _status_and_error(f"{base}/completions")  # a GET
+    assert status == 405 and "POST" in body["error"]["message"]
+
+
 def test_two_concurrent_streams_each_get_their_own_text(client):
     prompts = [[{"role": "user", "content": "Name a fruit."}], [{"role": "user", "content": "Count to five."}]]
     expected = [client.chat.completions.create(model=MODEL, messages=m, max_tokens=24).choices[0].message.content

@@ -1,4 +1,5 @@
-"""The ASGI app: routes, API-key check, OpenAI-shaped errors, and the disconnect handling of every answer."""
+"""The ASGI app: the API-key check, the POST endpoints as plain ASGI (post_endpoint.py), and FastAPI for the rest
+(health, metrics, models, lifespan)."""
 
 from __future__ import annotations
 
@@ -7,40 +8,21 @@ import hmac
 import urllib.error
 import urllib.request
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from freetoken_core.serving.openai import chat_completions, completions
-from freetoken_core.serving.openai.disconnect import (ClientDisconnected, DisconnectAwareStreamingResponse,
-                                                      until_disconnect)
-from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleClient, EnsembleStep
+from freetoken_core.serving.openai.ensemble_client import EngineError, EnsembleClient
 from freetoken_core.serving.openai.generation import engine_error, start
+from freetoken_core.serving.openai.post_endpoint import Answer, PostEndpoint, send_json, serve_post
 from freetoken_core.serving.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, now
 from freetoken_core.serving.openai.served_model import ServedModel
 from freetoken_core.serving.openai.translate import chat_request, completion_request
 
-# The status a client that left is logged with (nginx's "client closed request"); nobody receives it.
-CLIENT_CLOSED_STATUS = 499
 OPEN_PATHS = ("/health",)  # reachable without the API key (load balancers' probes)
-
-
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
-def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    """pydantic's first complaint as an OpenAI 400 whose message and `param` name the field."""
-    err = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if err.get("type") == "extra_forbidden":
-        msg = f"{param}: unknown or unsupported field"
-    else:
-        msg = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
-    return _error(APIError(400, msg, param=param))
 
 
 def _fetch_metrics(url: str) -> tuple[int, bytes]:
@@ -51,8 +33,38 @@ def _fetch_metrics(url: str) -> tuple[int, bytes]:
         return 503, f"Triton's metrics at {url} did not answer: {e}\n".encode()
 
 
+class OpenAIApp:
+    """Routes each HTTP request: the key check first (when a key is set), then a POST endpoint, else FastAPI (which
+    also runs the lifespan)."""
+
+    def __init__(self, rest: ASGIApp, posts: dict[str, PostEndpoint], api_key: str | None) -> None:
+        self._rest, self._posts = rest, posts
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._rest(scope, receive, send)
+            return
+        path = scope["path"]
+        if self._expected is not None and path not in OPEN_PATHS and not self._key_given(scope):
+            await send_json(send, 401, APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                                                code="invalid_api_key").body())
+            return
+        endpoint = self._posts.get(path)
+        if endpoint is None:
+            await self._rest(scope, receive, send)
+        elif scope["method"] != "POST":
+            await send_json(send, 405, APIError(405, f"{path} takes POST, not {scope['method']}").body())
+        else:
+            await serve_post(endpoint, scope, receive, send)
+
+    def _key_given(self, scope: Scope) -> bool:
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        return hmac.compare_digest(given, self._expected)
+
+
 def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None,
-               metrics_url: str | None = None) -> FastAPI:
+               metrics_url: str | None = None) -> OpenAIApp:
     client: EnsembleClient  # made on the server's event loop, which its gRPC channel belongs to
 
     @asynccontextmanager
@@ -62,82 +74,43 @@ def create_app(grpc_url: str, model: ServedModel, api_key: str | None = None,
         yield
         await client.close()
 
-    app = FastAPI(title="freetoken OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
-    # async handlers: Starlette runs a plain function's in its thread pool, a hop for every error answer
+    rest = FastAPI(title="freetoken OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
 
-    async def api_error(_: Request, e: APIError) -> JSONResponse:
-        return _error(e)
-
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _validation_error(e)
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-            if request.url.path not in OPEN_PATHS:
-                given = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    return _error(APIError(401, "missing or wrong API key (Authorization: Bearer <key>)",
-                                           code="invalid_api_key"))
-            return await call_next(request)
-
-    @app.get("/health")
+    @rest.get("/health")
     async def health() -> Response:
         ready = await client.ready()
         return Response(status_code=200 if ready else 503)
 
     if metrics_url:
-        @app.get("/metrics")
+        @rest.get("/metrics")
         async def metrics() -> Response:
             """Triton's Prometheus metrics (the engine's freetoken_* series), passed through: with an API key
             Triton's own ports listen on 127.0.0.1 only."""
             status, body = await asyncio.to_thread(_fetch_metrics, metrics_url)
             return Response(body, status_code=status, media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @rest.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": now(),
                                             "owned_by": "freetoken"}]}
 
-    async def answer(request: Request, stream: bool, first_and_rest: Callable[[], Awaitable[Any]],
-                     aggregate: Callable[[EnsembleStep, Any], Awaitable[dict[str, Any]]],
-                     events: Callable[[EnsembleStep, Any], AsyncIterator[str]]) -> Response:
+    async def aggregated(whole: Any) -> dict[str, Any]:
         try:
-            if stream:
-                first, rest = await until_disconnect(request, first_and_rest())
-                return DisconnectAwareStreamingResponse(events(first, rest), media_type="text/event-stream",
-                                                        headers={"Cache-Control": "no-cache"})
+            return await whole
+        except EngineError as e:  # failed after it started (an engine fault): not the request's fault
+            raise await engine_error(client, e, status=500) from None
 
-            async def whole() -> dict[str, Any]:
-                first, rest = await first_and_rest()
-                try:
-                    return await aggregate(first, rest)
-                except EngineError as e:  # failed after it started (an engine fault): not the request's fault
-                    raise await engine_error(client, e, status=500) from None
+    async def chat(body: ChatCompletionRequest) -> Answer:
+        first, rest_steps = await start(client, chat_request(body, model))
+        if body.stream:
+            return chat_completions.chat_completion_stream(body, model, first, rest_steps)
+        return await aggregated(chat_completions.chat_completion(body, model, first, rest_steps))
 
-            return JSONResponse(await until_disconnect(request, whole()))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_STATUS)
+    async def complete(body: CompletionRequest) -> Answer:
+        first, rest_steps = await start(client, completion_request(body, model))
+        if body.stream:
+            return completions.completion_stream(body, model, first, rest_steps)
+        return await aggregated(completions.completion(body, model, first, rest_steps))
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        ens = chat_request(body, model)
-        return await answer(
-            request, body.stream, lambda: start(client, ens),
-            lambda first, rest: chat_completions.chat_completion(body, model, first, rest),
-            lambda first, rest: chat_completions.chat_completion_stream(body, model, first, rest))
-
-    @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, request: Request) -> Response:
-        ens = completion_request(body, model)
-        return await answer(
-            request, body.stream, lambda: start(client, ens),
-            lambda first, rest: completions.completion(body, model, first, rest),
-            lambda first, rest: completions.completion_stream(body, model, first, rest))
-
-    return app
+    return OpenAIApp(rest, {"/v1/chat/completions": PostEndpoint(ChatCompletionRequest, chat),
+                            "/v1/completions": PostEndpoint(CompletionRequest, complete)}, api_key)

@@ -1,22 +1,17 @@
 """Noticing at once that an HTTP client left, so its engine request is cancelled instead of run for nobody.
 
-Starlette's StreamingResponse watches for a disconnect only under ASGI spec versions before 2.4; under 2.4 it
-learns of it at the next failed send, which never comes while the engine is busy with a long prompt. The helpers
-here listen for `http.disconnect` themselves and cancel the work: the ensemble client's generator then cancels its
-gRPC call (ensemble_client.py).
+A server learns of a gone client at the next failed send, which never comes while the engine is busy with a long
+prompt. The watch here listens for `http.disconnect` itself and cancels the work: the ensemble client's generator
+then cancels its gRPC call (ensemble_client.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator
 
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
-T = TypeVar("T")
+from starlette.types import Receive
 
 
 class ClientDisconnected(Exception):
@@ -55,20 +50,3 @@ async def cancelled_on_disconnect(receive: Receive) -> AsyncIterator[None]:
         raise ClientDisconnected() from None
     finally:
         watcher.cancel()
-
-
-class DisconnectAwareStreamingResponse(StreamingResponse):
-    """A StreamingResponse that stops its body iterator as soon as the client disconnects, whatever the spec."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with cancelled_on_disconnect(receive):
-                await self.stream_response(send)
-        except (ClientDisconnected, OSError):  # the client left, or the connection broke under a send
-            pass
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """The result of `work`, or ClientDisconnected (and `work` cancelled) if the client leaves first."""
-    async with cancelled_on_disconnect(request.receive):
-        return await work

@@ -7,6 +7,9 @@ it (serving/stream/cancel.py). A stream whose request finished goes back to an i
 opening a gRPC stream costs a request's first token about 0.6 ms (benchmarks/RESULTS.md, OpenAI API). The request ends
 at the response that carries a finish reason (the asyncio client cannot ask for Triton's empty FINAL response, so
 the request asks for `finish_reason` in every response).
+
+Requests go out as tritonclient's protobuf messages built here (`EnsembleRequest.infer_request`) on tritonclient's
+service stub: its `InferInput` objects cost a request about 80 us more to build, all of it before the first token.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any, AsyncIterator, Mapping
 
 import grpc
 import numpy as np
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import np_to_triton_dtype, triton_to_np_dtype
 
 ENSEMBLE_MODEL = "ensemble"
@@ -29,6 +33,7 @@ ENSEMBLE_MODEL = "ensemble"
 # (num_cached_tokens: usage.prompt_tokens_details.cached_tokens)
 ALWAYS_RETURNED = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
                    "return_num_cached_tokens")
+ALWAYS_SET = ("stream", *ALWAYS_RETURNED)  # the boolean inputs every request sets true
 
 
 class EngineError(Exception):
@@ -61,8 +66,11 @@ class EnsembleRequest:
     sampling_parameters: Mapping[str, Any] = field(default_factory=dict)
 
     def tensors(self) -> dict[str, np.ndarray]:
-        """{input name: numpy array}, only the inputs this request sets."""
-        out: dict[str, np.ndarray] = {"stream": np.array([True])}
+        """{input name: numpy array}: the inputs every request sets, then the ones this request sets."""
+        return {name: np.array([True]) for name in ALWAYS_SET} | self._own_tensors()
+
+    def _own_tensors(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
         if self.text_input is not None:
             out["text_input"] = _string(self.text_input)
         if self.messages is not None:
@@ -88,13 +96,41 @@ class EnsembleRequest:
             out["num_top_logprobs"] = np.array([self.top_logprobs], dtype=np.int32)
         if self.sampling_parameters:
             out["sampling_parameters"] = _string(json.dumps(dict(self.sampling_parameters)))
-        for name in ALWAYS_RETURNED:
-            out[name] = np.array([True])
         return out
+
+    def infer_request(self, model: str, request_id: str) -> service_pb2.ModelInferRequest:
+        """The gRPC request: each input's bytes in `raw_input_contents`, as tritonclient sends them (the inputs every
+        request sets copied from one message built once)."""
+        request = service_pb2.ModelInferRequest()
+        request.CopyFrom(_ALWAYS_SET_REQUEST)
+        request.model_name, request.id = model, request_id
+        _add_inputs(request, self._own_tensors())
+        return request
 
 
 def _string(s: str) -> np.ndarray:
     return np.array([s.encode("utf-8")], dtype=np.object_)
+
+
+_BYTES_LENGTH = struct.Struct("<I")  # each element of a raw BYTES tensor: its length, then its bytes
+
+
+def _add_inputs(request: service_pb2.ModelInferRequest, tensors: dict[str, np.ndarray]) -> None:
+    for name, value in tensors.items():
+        request.inputs.add(name=name, datatype=_triton_dtype(value.dtype), shape=value.shape)
+        if value.dtype == np.object_:
+            request.raw_input_contents.append(b"".join(_BYTES_LENGTH.pack(len(v)) + v for v in value.reshape(-1)))
+        else:
+            request.raw_input_contents.append(value.tobytes())
+
+
+@functools.cache
+def _triton_dtype(dtype: np.dtype) -> str:
+    return np_to_triton_dtype(dtype)
+
+
+_ALWAYS_SET_REQUEST = service_pb2.ModelInferRequest()
+_add_inputs(_ALWAYS_SET_REQUEST, {name: np.array([True]) for name in ALWAYS_SET})
 
 
 @dataclass(frozen=True)
@@ -120,9 +156,6 @@ def _top_logprobs(ids: list[int] | None, values: list[float] | None, num_tokens:
     return tuple(tuple(pairs[i * n:(i + 1) * n]) for i in range(num_tokens))
 
 
-_BYTES_LENGTH = struct.Struct("<I")  # each element of a raw BYTES tensor: its length, then its bytes
-
-
 def _bytes_elements(data: bytes) -> list[bytes]:
     elements, offset, end = [], 0, len(data)
     while offset < end:
@@ -138,10 +171,9 @@ def _numpy_dtype(datatype: str) -> np.dtype:
     return np.dtype(triton_to_np_dtype(datatype))
 
 
-def decode_outputs(result: Any) -> dict[str, list[Any]]:
-    """Every output of a tritonclient InferResult as a flat list of Python values (bytes for BYTES), decoded once
-    and without numpy arrays: reading responses is a large share of the frontend's CPU time per streamed chunk."""
-    response = result.get_response()
+def decode_outputs(response: service_pb2.ModelInferResponse) -> dict[str, list[Any]]:
+    """Every output of a response as a flat list of Python values (bytes for BYTES), decoded once and without numpy
+    arrays: reading responses is a large share of the frontend's CPU time per streamed chunk."""
     raw = response.raw_output_contents
     num_raw = len(raw)
     out: dict[str, list[Any]] = {}
@@ -155,9 +187,9 @@ def decode_outputs(result: Any) -> dict[str, list[Any]]:
     return out
 
 
-def read_step(result: Any) -> EnsembleStep:
-    """A tritonclient InferResult -> EnsembleStep (absent outputs read as empty)."""
-    outputs = decode_outputs(result)
+def read_step(response: service_pb2.ModelInferResponse) -> EnsembleStep:
+    """A response -> EnsembleStep (absent outputs read as empty)."""
+    outputs = decode_outputs(response)
     get = outputs.get
     text = get("text_output")
     ids = get("next_tokens") or []
@@ -179,6 +211,9 @@ def read_step(result: Any) -> EnsembleStep:
     )
 
 
+# tritonclient's own channel settings (tritonclient/grpc/aio): no message size limit of gRPC's below Triton's
+_CHANNEL_OPTIONS = (("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1))
+
 # idle streams kept per process: enough for every stream of a busy worker, few enough to be no burden on the server
 MAX_IDLE_STREAMS = 256
 
@@ -186,15 +221,15 @@ MAX_IDLE_STREAMS = 256
 class _Stream:
     """One gRPC stream to the server that carries one request at a time (the request iterator waits on a queue)."""
 
-    def __init__(self, client: Any) -> None:
-        self._requests: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        self.call = client.stream_infer(self._iterate())
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub) -> None:
+        self._requests: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
+        self.call = stub.ModelStreamInfer(self._iterate())
 
-    async def _iterate(self) -> AsyncIterator[dict[str, Any]]:
+    async def _iterate(self) -> AsyncIterator[service_pb2.ModelInferRequest]:
         while (request := await self._requests.get()) is not None:
             yield request
 
-    def send(self, request: dict[str, Any]) -> None:
+    def send(self, request: service_pb2.ModelInferRequest) -> None:
         self._requests.put_nowait(request)
 
     def close(self) -> None:
@@ -204,13 +239,14 @@ class _Stream:
 
 class EnsembleClient:
     """One asyncio gRPC channel to the local Triton server, shared by every request of this process, and the
-    idle streams of finished requests."""
+    idle streams of finished requests. tritonclient's own client answers the health and metadata calls."""
 
     def __init__(self, grpc_url: str, model: str = ENSEMBLE_MODEL) -> None:
         import tritonclient.grpc.aio as grpcclient
 
-        self._grpc = grpcclient
         self._client = grpcclient.InferenceServerClient(grpc_url)
+        self._channel = grpc.aio.insecure_channel(grpc_url, options=_CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         self._model = model
         self._idle: list[_Stream] = []
         self._ids = (f"oa-{os.getpid()}-{n}" for n in itertools.count())  # unique: a stale response is told apart
@@ -218,6 +254,7 @@ class EnsembleClient:
     async def close(self) -> None:
         while self._idle:
             self._idle.pop().close()
+        await self._channel.close()
         await self._client.close()
 
     async def ready(self) -> bool:
@@ -239,32 +276,26 @@ class EnsembleClient:
     async def generate(self, request: EnsembleRequest, request_id: str = "") -> AsyncIterator[EnsembleStep]:
         """The responses of one request until the one with a finish reason. Closing the generator early (the HTTP
         client left; asyncio cancelled the task) cancels the request's gRPC call, which aborts the engine request."""
-        inputs = []
-        for name, value in request.tensors().items():
-            dtype = np_to_triton_dtype(value.dtype)
-            tensor = self._grpc.InferInput(name, list(value.shape), dtype)
-            tensor.set_data_from_numpy(value)
-            inputs.append(tensor)
         request_id = request_id or next(self._ids)
-        stream = self._idle.pop() if self._idle else _Stream(self._client)
-        stream.send({"model_name": self._model, "inputs": inputs, "request_id": request_id})
+        stream = self._idle.pop() if self._idle else _Stream(self._stub)
+        stream.send(request.infer_request(self._model, request_id))
         state = "running"  # -> "finished" (the stream can carry another request) or "failed" (it is dropped)
         try:
             while True:
                 try:
-                    result, error = await stream.call.__anext__()
-                except StopAsyncIteration:
-                    state = "failed"
-                    raise EngineError("the server closed the stream before the request finished") from None
+                    message = await stream.call.read()
                 except grpc.aio.AioRpcError as e:  # no server on the port, or it went away mid-answer
                     state = "failed"
                     raise EngineError(f"the Triton server is unreachable: {e.details()}") from None
-                if error is not None:
+                if message is grpc.aio.EOF:
+                    state = "failed"
+                    raise EngineError("the server closed the stream before the request finished")
+                if message.error_message:
                     state = "failed"  # the request ended with its error: nothing to cancel
-                    raise EngineError(str(error))
-                if result.get_response().id != request_id:
+                    raise EngineError(message.error_message)
+                if message.infer_response.id != request_id:
                     continue  # a late response of the stream's previous request
-                step = read_step(result)
+                step = read_step(message.infer_response)
                 if step.finish_reason:
                     state = "finished"
                 yield step
