@@ -1,7 +1,7 @@
 """Multi-turn chat benchmark of the prefix cache, offline (the engine's Scheduler) or served: cache on vs off.
 
     python benchmarks/bench_prefix_chat.py [--model DIR] [--load-format dummy] [--conversations 64] [--turns 6]
-        [--system-len 2000] [--user-len 100] [--max-tokens 128] [--device auto] [--dtype auto]
+        [--system-len 2000] [--user-len 100] [--max-tokens 128] [--device auto] [--dtype auto] [--quantization fp8]
     python benchmarks/bench_prefix_chat.py --shape llama-3.2-1b --load-format dummy   (GPU, random weights)
     python benchmarks/bench_prefix_chat.py --conversations 4 --turns 3 --system-len 64 --user-len 8 --max-tokens 8
         (CPU, the default SmolLM2)
@@ -232,6 +232,7 @@ def served_results(args: argparse.Namespace, vocab: int) -> dict:
     for on in (True, False):
         overrides = {"model_path": args.model, "load_format": args.load_format, "device": args.device,
                      "dtype": args.dtype, "max_running_req": str(args.max_running_req),
+                     **({"quantization": args.quantization} if args.quantization else {}),
                      "page_size": str(args.page_size), "kv_cache_gb": str(args.kv_cache_gb),
                      "max_seq_len": str(max_seq_len(args)), "enable_prefix_caching": str(on).lower()}
         log_path = Path(tempfile.gettempdir()) / f"bench-prefix-chat-server-{'on' if on else 'off'}.log"
@@ -275,6 +276,7 @@ def offline_results(args: argparse.Namespace) -> dict:
     results = {}
     for on in (True, False):
         llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                  quantization=args.quantization,
                   max_running_req=args.max_running_req, page_size=args.page_size, kv_cache_gb=args.kv_cache_gb,
                   max_seq_len=max_seq_len(args), enable_prefix_caching=on)
         results["on" if on else "off"] = (run_lockstep if args.lockstep else run)(llm, args)
@@ -318,6 +320,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="fp8: weights quantized block-wise at load (both sides; what an 80 GB card serves a 35B in)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU K/V budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--served", nargs="?", const="", default=None, metavar="HOST:PORT",
