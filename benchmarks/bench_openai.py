@@ -224,12 +224,14 @@ def run_side_pa(args: argparse.Namespace, side: str, model: str, prompts: list[s
     warm, timed = tagged_prompts(side, batch, concurrency, len(batch))
     target = openai_pa.PaTarget(side, args.openai_url, args.grpc_url, model, args.api_key, args.output_tokens,
                                 args.perf_analyzer)
-    m = openai_pa.run_side(target, warm, timed, concurrency, args.pa_ms, args.pa_trials, workdir)
+    m = openai_pa.run_side(target, warm, timed, concurrency, args.pa_ms, args.pa_trials, args.pa_stability,
+                            workdir)
     return SideResult(side, concurrency, m.requests, round(m.output_tokens), m.seconds,
                       percentile(m.ttfts_ms, 0.5), percentile(m.ttfts_ms, 0.9))
 
 
-async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult]:
+async def bench(args: argparse.Namespace, prompts: list[str], failed: list[str]) -> list[SideResult]:
+    """Every side at every concurrency; a perf_analyzer run that fails is named in `failed` and skipped."""
     import openai
 
     from freetoken_core.serving.openai.ensemble_client import EnsembleClient
@@ -248,7 +250,12 @@ async def bench(args: argparse.Namespace, prompts: list[str]) -> list[SideResult
             procs = min(c, args.client_procs)
             for side in args.sides:
                 if workdir is not None:
-                    r = await asyncio.to_thread(run_side_pa, args, side, model, prompts, c, workdir)
+                    try:
+                        r = await asyncio.to_thread(run_side_pa, args, side, model, prompts, c, workdir)
+                    except RuntimeError as e:  # no stable measurement: the other runs still count
+                        print(f"concurrency {c}: {side:6s} not measured: {e}", flush=True)
+                        failed.append(f"{side} at {c}")
+                        continue
                 elif procs > 1:
                     spec = ClientSpec(side, args.openai_url, args.grpc_url, args.api_key, model, args.output_tokens,
                                       args.timeout)
@@ -352,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--perf-analyzer", default="perf_analyzer", help="the perf_analyzer binary")
     p.add_argument("--pa-ms", type=int, default=4000, help="perf_analyzer's measurement window (ms)")
     p.add_argument("--pa-trials", type=int, default=6, help="perf_analyzer's most windows to reach stability")
+    p.add_argument("--pa-stability", type=int, default=10,
+                   help="perf_analyzer's --stability-percentage: how far apart its last 3 windows may be")
     p.add_argument("--pa-prompts", type=int, default=16384,
                    help="distinct tagged prompts a perf_analyzer run cycles through (more than it sends: none repeats)")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -369,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     handle = start_served(args) if args.serve_shape or args.serve_model else None
     try:
         prompts = make_prompts(load_tokenizer(args.model_path or default_model_path()), 64, args.prompt_tokens)
-        results = asyncio.run(bench(args, prompts))
+        failed: list[str] = []
+        results = asyncio.run(bench(args, prompts, failed))
     finally:
         if handle is not None:
             handle.stop()
@@ -379,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{**asdict(r), "tok_s": r.tok_s} for r in results], f, indent=2)
-    return 0
+    if failed:
+        print(f"not measured: {', '.join(failed)}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

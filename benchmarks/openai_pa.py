@@ -84,11 +84,11 @@ def command(target: PaTarget, data_file: Path, load_args: list[str]) -> list[str
     return cmd + ["--input-data", str(data_file)] + load_args
 
 
-def measured_args(concurrency: int, interval_ms: int, trials: int, export: Path) -> list[str]:
+def measured_args(concurrency: int, interval_ms: int, trials: int, stability: int, export: Path) -> list[str]:
     # --max-threads C: a thread a stream. perf_analyzer's streams on one thread start at the same input entry and
     # step alike, so several streams would send the same prompt (a prefix-cache hit) at once
     return ["--concurrency-range", str(concurrency), "--max-threads", str(concurrency),
-            "--measurement-interval", str(interval_ms), "--stability-percentage", "10", "--max-trials", str(trials),
+            "--measurement-interval", str(interval_ms), "--stability-percentage", str(stability), "--max-trials", str(trials),
             "--percentile", "50", "--profile-export-file", str(export)]
 
 
@@ -104,7 +104,7 @@ def _tail(out: subprocess.CompletedProcess, lines: int = 15) -> str:
 
 
 def run_side(target: PaTarget, warm: list[str], timed: list[str], concurrency: int, interval_ms: int, trials: int,
-             workdir: Path) -> Measured:
+             stability: int, workdir: Path) -> Measured:
     """Warm up (untimed), then one measured perf_analyzer run at `concurrency`; its export summarized."""
     stem = f"{target.side}-{concurrency}"
     files = {}
@@ -115,14 +115,14 @@ def run_side(target: PaTarget, warm: list[str], timed: list[str], concurrency: i
     if out.returncode != 0:  # as gpu_perf_analyzer.sh: a warm-up that did not settle is no reason to stop
         print(f"{stem} warm-up: perf_analyzer exited {out.returncode}:\n{_tail(out, 3)}", flush=True)
     export = workdir / f"{stem}.json"
-    cmd = command(target, files["timed"], measured_args(concurrency, interval_ms, trials, export))
+    cmd = command(target, files["timed"], measured_args(concurrency, interval_ms, trials, stability, export))
     print(" ".join(cmd), flush=True)
     # up to `trials` windows of ~1.2 x the interval, the ramp, and the requests still out at the end
     out = _run(cmd, interval_ms * trials * 1.5 / 1000 + 120, stem)
     if out.returncode != 0 or not export.is_file():
         print(_tail(out), flush=True)
         raise RuntimeError(f"{stem}: perf_analyzer exited {out.returncode} (if it found no stable measurement: "
-                           f"raise --pa-ms or --pa-trials): {' '.join(cmd)}")
+                           f"raise --pa-ms, --pa-trials or --pa-stability): {' '.join(cmd)}")
     return summarize(json.loads(export.read_bytes().decode("utf-8", "replace")), target.side, concurrency,
                      target.output_tokens)
 

@@ -240,7 +240,7 @@ def test_perf_analyzer_inputs_and_commands_send_the_same_chat_on_both_sides(tmp_
     assert json.loads(tensors.pop("messages")[0]) == chat
     assert tensors == {"max_tokens": [64], "ignore_eos": [True], "stream": [True]}
 
-    load = pa.measured_args(4, 4000, 6, tmp_path / "e.json")
+    load = pa.measured_args(4, 4000, 6, 10, tmp_path / "e.json")
     assert pa.command(oa, tmp_path / "d.json", load) == [
         "perf_analyzer", "-m", "smol", "--service-kind", "openai", "--endpoint", "v1/chat/completions",
         "-u", "127.0.0.1:9000", "-i", "http", "--async", "--input-data", str(tmp_path / "d.json"),
