@@ -11,14 +11,16 @@ that has both its K/V pages and a snapshot. Snapshots are taken
     shared system prompt, then different users), its prefill is cut so that one chunk ends exactly at
     the end of the K/V match, and the state there becomes that node's snapshot, so every later request
     with that prefix hits all of it;
-  - every `interval` tokens (a page multiple) of a long prefill, marked periodic: evicted before the
-    boundary ones.
+  - every `interval` tokens (a page multiple) of a long prefill, marked periodic.
+When the slots run short a snapshot displaces only ones worth no more than itself (`Kind`: periodic, then the ends
+of single sequences, then the points where the trie branches, which every sequence below them shares).
 A snapshot is never locked: a request copies it into its own slot at admission and is done with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -27,6 +29,14 @@ from .linear_state import LinearStatePool, slot_of_row
 from .manager import CacheManager
 from .pool import KVCache
 from .prefix_cache import PageNode, PrefixCache
+
+
+class Kind(IntEnum):
+    """What a snapshot is worth, least first: one displaces only snapshots of its own kind or below."""
+
+    PERIODIC = 0  # every `interval` tokens of a long prefill: a later request may diverge there
+    SINGLE = 1  # where one sequence ends (a tail, an end on a page boundary): its next turn resumes there
+    SHARED = 2  # where the trie branches: every sequence below it starts there (a shared system prompt)
 
 
 @dataclass(eq=False)
@@ -83,8 +93,8 @@ class HybridCacheManager(CacheManager):
         self.interval = max(page_size, interval // page_size * page_size)  # snapshots sit on page boundaries
         self._holders: dict[int, PageNode] = {}  # snapshot slot -> the node that has it
         self._tails: dict[int, Tail] = {}  # snapshot slot -> the tail that has it
-        self._split: dict[int, list[tuple[int, bool]]] = {}  # row -> (position, periodic) to snapshot, ascending
-        self._taken: dict[int, list[tuple[int, int, bool]]] = {}  # row -> (position, slot, periodic) taken
+        self._split: dict[int, list[tuple[int, Kind]]] = {}  # row -> (position, kind) to snapshot, ascending
+        self._taken: dict[int, list[tuple[int, int, Kind]]] = {}  # row -> (position, slot, kind) taken
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -139,22 +149,44 @@ class HybridCacheManager(CacheManager):
             self._drop_tail(tail)
         super().drop_unreferenced()
 
-    def _snapshot_slot(self, live_slot: int) -> int:
-        """A snapshot slot holding the live state; when none is free, a cached snapshot is evicted (periodic
-        ones first, then least recently used). -1 when running requests hold every slot."""
-        if not self.snapshots.num_free:
-            key = lambda n: (not n.snapshot_periodic, n.last_access)  # noqa: E731
-            node = min(self._holders.values(), key=key, default=None)
-            tail = min(self._tails.values(), key=lambda t: t.last_access, default=None)
-            if node is not None and (tail is None or node.snapshot_periodic or node.last_access < tail.last_access):
-                del self._holders[node.snapshot]
-                self.snapshots.give_back([node.snapshot])
-                node.snapshot = -1
-            elif tail is not None:
-                self._drop_tail(tail)
-            else:
-                return -1
+    def _snapshot_slot(self, live_slot: int, kind: Kind) -> int:
+        """A snapshot slot holding the live state, or -1. When none is free, a cached snapshot of the lowest kind
+        present, up to `kind`, gives way (least recently used first), else a running request's periodic one not
+        cached yet. With fewer slots than conversations, plain LRU would evict a shared system prompt's snapshot
+        for each turn's end, which at most one later turn uses."""
+        if not self.snapshots.num_free and not self._displace_snapshot(kind):
+            return -1
         return self.snapshots.take(live_slot)
+
+    def _cached_kind(self, node: PageNode) -> Kind:
+        if node.snapshot_periodic:
+            return Kind.PERIODIC
+        return Kind.SHARED if len(node.children) + len(node.tails) > 1 else Kind.SINGLE
+
+    def _displace_snapshot(self, kind: Kind) -> bool:
+        cached: list[tuple[tuple[Kind, int], PageNode | Tail]] = \
+            [((self._cached_kind(n), n.last_access), n) for n in self._holders.values()]
+        cached += [((Kind.SINGLE, t.last_access), t) for t in self._tails.values()]
+        if cached:
+            (lowest, _), victim = min(cached, key=lambda c: c[0])
+            if lowest <= kind:
+                if isinstance(victim, Tail):
+                    self._drop_tail(victim)
+                else:
+                    del self._holders[victim.snapshot]
+                    self.snapshots.give_back([victim.snapshot])
+                    victim.snapshot = -1
+                return True
+        return kind > Kind.PERIODIC and self._drop_periodic_in_flight()
+
+    def _drop_periodic_in_flight(self) -> bool:
+        for taken in self._taken.values():
+            for i, (_, slot, kind) in enumerate(taken):
+                if kind == Kind.PERIODIC:
+                    del taken[i]
+                    self.snapshots.give_back([slot])
+                    return True
+        return False
 
     def _hold(self, node: PageNode, slot: int, periodic: bool) -> None:
         node.snapshot, node.snapshot_periodic = slot, periodic
@@ -191,10 +223,12 @@ class HybridCacheManager(CacheManager):
             self.snapshots.restore(nodes[-1].snapshot, live)
         # where prefill chunks end for a snapshot: the end of a deeper K/V match (where sequences diverge)
         # and every interval
-        split = [(len(kv_path) * self.page_size, False)] if len(kv_path) * self.page_size > matched else []
-        first = (matched // self.interval + 1) * self.interval
-        split += [(p, True) for p in range(first, max_tokens + 1, self.interval)]
-        self._split[row] = sorted(set(split))
+        # (a K/V match that ends where its cached sequence ended, not where the trie branches, serves one sequence)
+        points = {p: Kind.PERIODIC for p in range((matched // self.interval + 1) * self.interval, max_tokens + 1,
+                                                  self.interval)}
+        if len(kv_path) * self.page_size > matched:
+            points[len(kv_path) * self.page_size] = Kind.SHARED if kv_path[-1].children else Kind.SINGLE
+        self._split[row] = sorted(points.items())
         self._taken[row] = []
         return matched
 
@@ -225,21 +259,21 @@ class HybridCacheManager(CacheManager):
         is queued after the forward)."""
         split = self._split.get(req.table_row)
         while split and split[0][0] <= req.cached_len:
-            pos, periodic = split.pop(0)
+            pos, kind = split.pop(0)
             if pos == req.cached_len:
-                slot = self._snapshot_slot(self._live_slot(req))
+                slot = self._snapshot_slot(self._live_slot(req), kind)
                 if slot >= 0:
-                    self._taken[req.table_row].append((pos, slot, periodic))
+                    self._taken[req.table_row].append((pos, slot, kind))
 
     # --- leaving ------------------------------------------------------------------------------
     def _on_inserted(self, req: Req, path: list[PageNode], pages: list[int], state_at: int) -> int:
         """The snapshots the request took go to their nodes; its end state becomes a node snapshot or a tail."""
         ps, row = self.page_size, req.table_row
         self._split.pop(row, None)
-        for pos, slot, periodic in self._taken.pop(row, []):
+        for pos, slot, kind in self._taken.pop(row, []):
             node = path[pos // ps - 1] if pos // ps <= len(path) else None
             if node is not None and node.snapshot < 0:
-                self._hold(node, slot, periodic)
+                self._hold(node, slot, kind == Kind.PERIODIC)
             else:
                 self.snapshots.give_back([slot])
         if state_at <= 0:
@@ -251,13 +285,13 @@ class HybridCacheManager(CacheManager):
         rest = tuple(req.token_slice(depth * ps, state_at))
         if not rest:  # the end is a page boundary: a node snapshot
             if node.snapshot < 0:
-                slot = self._snapshot_slot(self._live_slot(req))
+                slot = self._snapshot_slot(self._live_slot(req), Kind.SINGLE)
                 if slot >= 0:
                     self._hold(node, slot, False)
             return -1
         if rest in node.tails or depth >= len(pages):
             return -1
-        slot = self._snapshot_slot(self._live_slot(req))
+        slot = self._snapshot_slot(self._live_slot(req), Kind.SINGLE)
         if slot < 0:
             return -1
         tail = Tail(node, rest, pages[depth], slot, next(self.prefix._clock))
