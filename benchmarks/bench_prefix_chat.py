@@ -233,6 +233,8 @@ def served_results(args: argparse.Namespace, vocab: int) -> dict:
         overrides = {"model_path": args.model, "load_format": args.load_format, "device": args.device,
                      "dtype": args.dtype, "max_running_req": str(args.max_running_req),
                      **({"quantization": args.quantization} if args.quantization else {}),
+                     **({"prefix_cache_state_gb": str(args.prefix_cache_state_gb)}
+                        if args.prefix_cache_state_gb is not None else {}),
                      "page_size": str(args.page_size), "kv_cache_gb": str(args.kv_cache_gb),
                      "max_seq_len": str(max_seq_len(args)), "enable_prefix_caching": str(on).lower()}
         log_path = Path(tempfile.gettempdir()) / f"bench-prefix-chat-server-{'on' if on else 'off'}.log"
@@ -276,7 +278,7 @@ def offline_results(args: argparse.Namespace) -> dict:
     results = {}
     for on in (True, False):
         llm = LLM(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
-                  quantization=args.quantization,
+                  quantization=args.quantization, prefix_cache_state_gb=args.prefix_cache_state_gb,
                   max_running_req=args.max_running_req, page_size=args.page_size, kv_cache_gb=args.kv_cache_gb,
                   max_seq_len=max_seq_len(args), enable_prefix_caching=on)
         results["on" if on else "off"] = (run_lockstep if args.lockstep else run)(llm, args)
@@ -323,6 +325,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="fp8: weights quantized block-wise at load (both sides; what an 80 GB card serves a 35B in)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU K/V budget")
+    ap.add_argument("--prefix-cache-state-gb", type=float, default=None,
+                    help="hybrids: the snapshot pool (default: the engine's share of the memory budget)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--served", nargs="?", const="", default=None, metavar="HOST:PORT",
                     help="through a server's gRPC endpoint (with --compare: servers this script starts)")
