@@ -284,6 +284,16 @@ def test_malformed_bodies_and_wrong_methods_are_openai_errors(frontend):
     assert status == 405 and "POST" in body["error"]["message"]
 
 
+def test_a_body_over_the_limit_is_413_before_it_is_read(frontend):
+    from freetoken_core.serving.openai.post_endpoint import MAX_BODY_BYTES
+
+    with socket.create_connection(("127.0.0.1", frontend), timeout=30) as s:  # says 1 GiB is coming, sends 10 bytes
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {2**30}\r\n\r\n{{\"model\": ".encode())
+        answer = s.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 413") and str(MAX_BODY_BYTES) in answer, answer
+
+
 def test_two_concurrent_streams_each_get_their_own_text(client):
     prompts = [[{"role": "user", "content": "Name a fruit."}], [{"role": "user", "content": "Count to five."}]]
     expected = [client.chat.completions.create(model=MODEL, messages=m, max_tokens=24).choices[0].message.content

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # before, as APIError, while the status can still say so)
 Answer = Union[dict[str, Any], AsyncGenerator[str, None]]
 
+# far above any prompt the engine's context holds (32k tokens of text, tools and history are well under 1 MiB); a
+# body past it is refused before it is read, so no client can make a worker hold gigabytes
+MAX_BODY_BYTES = 32 * 2**20
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
@@ -50,20 +53,35 @@ def validation_error(errors: list[Any]) -> APIError:
     return APIError(400, msg, param=param)
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    """The request body, or None when the client left before sending all of it."""
-    chunks = []
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(scope: Scope, receive: Receive) -> bytes | None:
+    """The request body, or None when the client left before sending all of it; BodyTooLarge past the limit."""
+    declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BodyTooLarge()
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge()
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
 async def serve_post(endpoint: PostEndpoint, scope: Scope, receive: Receive, send: Send) -> None:
-    body = await _read_body(receive)
+    try:
+        body = await _read_body(scope, receive)
+    except BodyTooLarge:
+        await send_json(send, 413, APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes").body())
+        return
     if body is None:
         return
     try:

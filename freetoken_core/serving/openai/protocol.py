@@ -85,7 +85,8 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable"}
 
 
 def new_id(prefix: str) -> str:
