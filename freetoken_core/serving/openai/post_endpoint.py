@@ -54,7 +54,7 @@ def validation_error(errors: list[Any]) -> APIError:
 
 
 class BodyTooLarge(Exception):
-    pass
+    """The request declared or sent more than MAX_BODY_BYTES."""
 
 
 async def _read_body(scope: Scope, receive: Receive) -> bytes | None:
