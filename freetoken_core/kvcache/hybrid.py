@@ -10,7 +10,7 @@ that has both its K/V pages and a snapshot. Snapshots are taken
   - at divergence points: when a request's K/V match reaches deeper than any snapshot on its path (a
     shared system prompt, then different users), its prefill is cut so that one chunk ends exactly at
     the end of the K/V match, and the state there becomes that node's snapshot, so every later request
-    with that prefix hits all of it;
+    with that prefix hits all of it; likewise at every node past its best snapshot where the trie branches;
   - every `interval` tokens (a page multiple) of a long prefill, marked periodic.
 When the slots run short a snapshot displaces only ones worth no more than itself (`Kind`: periodic, then the ends
 of single sequences, then the points where the trie branches, which every sequence below them shares).
@@ -221,13 +221,18 @@ class HybridCacheManager(CacheManager):
             matched += len(tail.tokens)
         elif depth:
             self.snapshots.restore(nodes[-1].snapshot, live)
-        # where prefill chunks end for a snapshot: the end of a deeper K/V match (where sequences diverge)
-        # and every interval
-        # (a K/V match that ends where its cached sequence ended, not where the trie branches, serves one sequence)
+        # where prefill chunks end for a snapshot: every interval; the end of a deeper K/V match (where this request
+        # leaves the cached sequences: shared if the trie goes on there, else one sequence's end); and every point
+        # past the match where the trie branches (a prefix cached sequences share, such as a system prompt that
+        # conversations which all started at once never matched alone)
+        ps = self.page_size
         points = {p: Kind.PERIODIC for p in range((matched // self.interval + 1) * self.interval, max_tokens + 1,
                                                   self.interval)}
-        if len(kv_path) * self.page_size > matched:
-            points[len(kv_path) * self.page_size] = Kind.SHARED if kv_path[-1].children else Kind.SINGLE
+        if len(kv_path) * ps > matched:
+            points[len(kv_path) * ps] = Kind.SHARED if kv_path[-1].children else Kind.SINGLE
+        for i, node in enumerate(kv_path[:-1]):
+            if (i + 1) * ps > matched and len(node.children) + len(node.tails) > 1:
+                points[(i + 1) * ps] = Kind.SHARED
         self._split[row] = sorted(points.items())
         self._taken[row] = []
         return matched

@@ -63,21 +63,27 @@ def test_small_pools_evict_pages_and_snapshots(hybrid):
     assert llm.scheduler.cache.prefix.evicted_pages > 0
 
 
-def test_fewer_slots_than_conversations_keep_the_shared_prefix(hybrid):
-    """Two snapshot slots for six conversations taking turns, four at a time, with a periodic snapshot every 8
-    tokens: each turn's end and each periodic snapshot would evict the shared system prompt's under plain LRU.
-    Its snapshot (where the trie branches) is displaced only by its own kind, so every later turn hits it."""
+@pytest.mark.parametrize("start,first_hit_turn", [("staggered", 1), ("together", 2)])
+def test_fewer_slots_than_conversations_keep_the_shared_prefix(hybrid, start, first_hit_turn):
+    """Two snapshot slots for six conversations taking turns, with a periodic snapshot every 8 tokens: each turn's
+    end and each periodic snapshot would evict the shared system prompt's under plain LRU. Its snapshot (where the
+    trie branches) is displaced only by its own kind, so every later turn hits it. Staggered: four rows, short
+    prefill chunks, so later conversations of turn 1 match the first one's pages alone and snapshot where they part.
+    Together: all six prefill turn 1 in one step, so no request ever matches just the system prompt; turn 2's
+    requests snapshot where the trie branches on their path, and every turn from the third hits it."""
     probe = LLM(hybrid, dtype="float32", page_size=4, num_pages=8, max_running_req=1, prefix_cache_state_gb=1.0)
     per_slot = probe.scheduler.cache.snapshots.store.nbytes / probe.scheduler.cache.snapshots.num_slots
-    chat = dict(CHAT, num_convs=6, system_len=62)
-    base = dict(dtype="float32", page_size=4, num_pages=400, max_running_req=4, max_extend_tokens=16)
+    chat = dict(CHAT, num_convs=6, num_turns=4, system_len=62)
+    base = dict(dtype="float32", page_size=4, num_pages=400)
+    base |= dict(max_running_req=4, max_extend_tokens=16) if start == "staggered" else \
+        dict(max_running_req=6, max_extend_tokens=512)
     off = run_chats(LLM(hybrid, enable_prefix_caching=False, **base), **chat)
     llm = LLM(hybrid, prefix_cache_state_gb=2.5 * per_slot / 2**30, prefix_cache_state_interval=8, **base)
     on = run_chats(llm, **chat)
     assert llm.scheduler.cache.snapshots.num_slots == 2
     assert token_ids(on) == token_ids(off)
-    assert all(o.num_cached_tokens >= 60 for outs in on[1:] for o in outs), \
-        [[o.num_cached_tokens for o in outs] for outs in on[1:]]
+    hits = [[o.num_cached_tokens for o in outs] for outs in on]
+    assert all(h >= 60 for turn in hits[first_hit_turn:] for h in turn), hits
     _snapshots_back(llm)
 
 
