@@ -158,10 +158,15 @@ class HybridCacheManager(CacheManager):
             return -1
         return self.snapshots.take(live_slot)
 
+    @staticmethod
+    def _branches(node: PageNode) -> bool:
+        """Whether more than one cached sequence continues past this node."""
+        return len(node.children) + len(node.tails) > 1
+
     def _cached_kind(self, node: PageNode) -> Kind:
         if node.snapshot_periodic:
             return Kind.PERIODIC
-        return Kind.SHARED if len(node.children) + len(node.tails) > 1 else Kind.SINGLE
+        return Kind.SHARED if self._branches(node) else Kind.SINGLE
 
     def _displace_snapshot(self, kind: Kind) -> bool:
         cached: list[tuple[tuple[Kind, int], PageNode | Tail]] = \
@@ -231,7 +236,7 @@ class HybridCacheManager(CacheManager):
         if len(kv_path) * ps > matched:
             points[len(kv_path) * ps] = Kind.SHARED if kv_path[-1].children else Kind.SINGLE
         for i, node in enumerate(kv_path[:-1]):
-            if (i + 1) * ps > matched and len(node.children) + len(node.tails) > 1:
+            if (i + 1) * ps > matched and self._branches(node):
                 points[(i + 1) * ps] = Kind.SHARED
         self._split[row] = sorted(points.items())
         self._taken[row] = []

@@ -67,7 +67,7 @@ class EnsembleRequest:
 
     def tensors(self) -> dict[str, np.ndarray]:
         """{input name: numpy array}: the inputs every request sets, then the ones this request sets."""
-        return {name: np.array([True]) for name in ALWAYS_SET} | self._own_tensors()
+        return _always_set_tensors() | self._own_tensors()
 
     def _own_tensors(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -129,8 +129,12 @@ def _triton_dtype(dtype: np.dtype) -> str:
     return np_to_triton_dtype(dtype)
 
 
+def _always_set_tensors() -> dict[str, np.ndarray]:
+    return {name: np.array([True]) for name in ALWAYS_SET}
+
+
 _ALWAYS_SET_REQUEST = service_pb2.ModelInferRequest()
-_add_inputs(_ALWAYS_SET_REQUEST, {name: np.array([True]) for name in ALWAYS_SET})
+_add_inputs(_ALWAYS_SET_REQUEST, _always_set_tensors())
 
 
 @dataclass(frozen=True)
