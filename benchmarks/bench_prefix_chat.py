@@ -326,7 +326,7 @@ def main() -> None:
                     help="fp8: weights quantized block-wise at load (both sides; what an 80 GB card serves a 35B in)")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0, help="CPU K/V budget")
     ap.add_argument("--prefix-cache-state-gb", type=float, default=None,
-                    help="hybrids: the snapshot pool (default: the engine's share of the memory budget)")
+                    help="hybrids: K/V pages reserved for snapshots, GiB (default: the engine's, half the budget)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--served", nargs="?", const="", default=None, metavar="HOST:PORT",
                     help="through a server's gRPC endpoint (with --compare: servers this script starts)")

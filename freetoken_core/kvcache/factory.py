@@ -1,6 +1,6 @@
 """Which cache manager an engine gets, by cache kind: `plain` (no prefix cache), `radix` (the page trie of
-kvcache/prefix_cache.py) or `hybrid` (the trie plus linear-state snapshots of kvcache/hybrid.py); and the
-snapshot pool's size, taken out of the memory budget the K/V pages share."""
+kvcache/prefix_cache.py) or `hybrid` (the trie plus linear-state snapshots of kvcache/hybrid.py); and how many
+linear-state snapshots have K/V pages reserved."""
 
 from __future__ import annotations
 
@@ -15,15 +15,9 @@ from .linear_state import LinearStatePool
 from .manager import CacheManager
 from .pool import KVCache
 from .prefix_cache import PrefixCache
+from .snapshots import SnapshotPool, pages_per_snapshot
 
 log = logging.getLogger(__name__)
-
-# The default snapshot budget: half of the memory budget (LightLLM's default mamba_cache_ratio; SGLang gives its mamba
-# pool 0.9x the full-attention K/V), plus whatever the K/V pages cannot use: a hybrid's K/V is small (a quarter of its
-# layers attend) while a conversation's snapshot is tens of MiB, so a cap at the pages every row can fill left a
-# 64-chat run of Qwen3.6's shape at most six slots (benchmarks/RESULTS.md, Prefix cache).
-STATE_SHARE = 0.5
-
 
 def cache_kind(config: EngineConfig, linear: LinearStatePool | None, tensor_parallel: bool) -> str:
     if not config.enable_prefix_caching:
@@ -36,31 +30,41 @@ def cache_kind(config: EngineConfig, linear: LinearStatePool | None, tensor_para
     return "hybrid"
 
 
-def plan_snapshots(config: EngineConfig, linear: LinearStatePool, budget_bytes: int, max_pages: int,
+# The snapshot reserve by default: half of the K/V budget (LightLLM's default mamba_cache_ratio; SGLang gives its
+# mamba pool 0.9x the full-attention K/V), at most 4 GiB, at least one snapshot. Beyond it snapshots borrow whatever
+# pages requests leave (kvcache/snapshots.py); the reserve keeps snapshots alive while requests want every page
+# (without one, a shared system prompt's snapshot never survives to be shared). A quarter did better on the
+# tightest workload and worse on others (benchmarks/RESULTS.md, Prefix cache).
+RESERVE_SHARE = 0.5
+RESERVE_MAX_GB = 4.0
+
+
+def plan_snapshots(config: EngineConfig, linear: LinearStatePool, budget_bytes: int,
                    bytes_per_page: int) -> tuple[int, int]:
-    """(snapshot slots, K/V pages) out of `budget_bytes`, the memory the K/V pages would otherwise have (an explicit
-    `num_pages`: those pages' bytes). K/V pages take (1 - STATE_SHARE) of it, never more than `max_pages` (every row
-    at full length), and the snapshots the rest; an explicit `num_pages` keeps its pages and the snapshots come on
-    top (STATE_SHARE of the pages' bytes); an explicit `prefix_cache_state_gb` is taken out of the budget."""
-    per_slot = LinearStatePool.bytes_per_slot(linear.specs, linear.conv[0].dtype, linear.recurrent[0].dtype)
+    """(snapshots reserved, K/V pages) out of `budget_bytes`, the K/V pages' memory. Snapshots live in K/V pages
+    (kvcache/snapshots.py): `prefix_cache_state_gb` of them are reserved for snapshots (requests never count on
+    them) and snapshots borrow any other page no request needs. The budget is all pages, less one snapshot's staging
+    buffer; an explicit `num_pages` (`budget_bytes` is their bytes) stays the requests' and the reserve comes on
+    top."""
+    per_snapshot = pages_per_snapshot(linear, bytes_per_page)
     fixed_pages = config.num_pages is not None
-    if config.prefix_cache_state_gb is not None:
-        state_bytes = config.prefix_cache_state_gb * 2**30
-    elif fixed_pages:
-        state_bytes = STATE_SHARE * budget_bytes
+    pages = budget_bytes // bytes_per_page if fixed_pages else \
+        max(2, (budget_bytes - per_snapshot * bytes_per_page) // bytes_per_page)
+    snapshot_gb = per_snapshot * bytes_per_page / 2**30
+    reserve_gb = config.prefix_cache_state_gb
+    if reserve_gb is None:
+        reserve_gb = max(snapshot_gb, min(RESERVE_MAX_GB, RESERVE_SHARE * pages * bytes_per_page / 2**30))
+    reserved = int(reserve_gb / snapshot_gb)
+    if fixed_pages:
+        num_pages = pages + reserved * per_snapshot
     else:
-        state_bytes = budget_bytes - min(max_pages * bytes_per_page, (1 - STATE_SHARE) * budget_bytes)
-    slots = int(state_bytes // per_slot)
-    num_pages = budget_bytes // bytes_per_page
-    if not fixed_pages:
-        num_pages = max(2, min(max_pages, int((budget_bytes - slots * per_slot) // bytes_per_page)))
-    if slots < config.max_running_req:
-        log.warning("prefix cache: %d linear-state snapshot slots for max_running_req=%d: with more conversations "
-                    "than slots most of their turns miss (raise prefix_cache_state_gb)", slots, config.max_running_req)
-    log.info("prefix cache: %d linear-state snapshot slots of %.2f MiB (%.2f GiB, prefix_cache_state_gb) beside %d "
-             "K/V pages, a periodic snapshot every %d tokens", slots, per_slot / 2**20, slots * per_slot / 2**30,
-             num_pages, config.prefix_cache_state_interval)
-    return slots, num_pages
+        reserved = min(reserved, (pages - 2) // per_snapshot)  # a page is left for requests
+        num_pages = pages
+    log.info("prefix cache: %d K/V pages, of which %d linear-state snapshots of %d pages (%.2f MiB) have %.2f GiB "
+             "reserved (prefix_cache_state_gb); beyond them snapshots borrow the pages requests do not need; a "
+             "periodic snapshot every %d tokens", num_pages, reserved, per_snapshot, snapshot_gb * 2**10,
+             reserved * snapshot_gb, config.prefix_cache_state_interval)
+    return reserved, num_pages
 
 
 def _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
@@ -72,8 +76,8 @@ def _radix(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) 
 
 
 def _hybrid(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
-    if snapshots < 1:
-        log.warning("prefix caching is off: the snapshot budget holds no linear-state snapshot")
+    if (num_pages - 1) // SnapshotPool.pages_for(linear, kv) < 1:
+        log.warning("prefix caching is off: the K/V pages hold no linear-state snapshot")
         return _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots)
     return HybridCacheManager(num_pages, config.page_size, rows, max_seq_len, device, kv, linear, snapshots,
                               config.prefix_cache_state_interval)

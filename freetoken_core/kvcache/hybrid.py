@@ -1,8 +1,9 @@
 """The prefix cache of hybrid (gated-delta-net) models: K/V pages in the trie plus linear-state snapshots.
 
 A GDN layer's state at a prefix cannot be rebuilt from pages: it is a snapshot (conv + recurrent state),
-copied out of the request's live slot into a bounded `SnapshotPool`. A hybrid match is the longest prefix
-that has both its K/V pages and a snapshot. Snapshots are taken
+copied out of the request's live slot into K/V pages (kvcache/snapshots.py): pages reserved for snapshots
+(`reserved_pages`, from `prefix_cache_state_gb`) and any others no request needs. A hybrid match is the longest
+prefix that has both its K/V pages and a snapshot. Snapshots are taken
   - at the end of every cached sequence (finish, abort, retraction). The end rarely falls on a page
     boundary, so it is kept as a *tail* of the last full-page node: the partial page (owned by the tail)
     and the snapshot after its last token. A request matching a tail gets a private copy of that page
@@ -12,9 +13,11 @@ that has both its K/V pages and a snapshot. Snapshots are taken
     the end of the K/V match, and the state there becomes that node's snapshot, so every later request
     with that prefix hits all of it; likewise at every node past its best snapshot where the trie branches;
   - every `interval` tokens (a page multiple) of a long prefill, marked periodic.
-When the slots run short a snapshot displaces only ones worth no more than itself (`Kind`: periodic, then the ends
-of single sequences, then the points where the trie branches, which every sequence below them shares).
-A snapshot is never locked: a request copies it into its own slot at admission and is done with it.
+A new snapshot takes free pages, else the least recently used bare cached K/V, else displaces only snapshots worth
+no more than itself (`Kind`: periodic, then the ends of single sequences, then the points where the trie branches,
+which every sequence below them shares). A request short of pages gets them back from snapshots (after the trie's
+leaves and the tails): beyond the reserve, snapshots only ever hold pages no request needs, so their pages count
+as free. A snapshot is never locked: a request copies it into its own slot at admission and is done with it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .linear_state import LinearStatePool, slot_of_row
 from .manager import CacheManager
 from .pool import KVCache
 from .prefix_cache import PageNode, PrefixCache
+from .snapshots import SnapshotPool
 
 
 class Kind(IntEnum):
@@ -50,46 +54,16 @@ class Tail:
     last_access: int = 0
 
 
-class SnapshotPool:
-    """Linear-state snapshot slots (the same tensors as the live pool, another slot count) and their free list."""
-
-    def __init__(self, live: LinearStatePool, num_slots: int) -> None:
-        self.live = live
-        self.store = LinearStatePool(live.specs, num_slots, live.conv[0].dtype, live.recurrent[0].dtype, live.device)
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_slots(self) -> int:
-        return self.store.num_slots
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def take(self, live_slot: int) -> int:
-        slot = self._free.pop()
-        for dst, src in ((self.store.conv, self.live.conv), (self.store.recurrent, self.live.recurrent)):
-            for d, s in zip(dst, src):
-                d[slot].copy_(s[live_slot])
-        return slot
-
-    def restore(self, slot: int, live_slot: int) -> None:
-        for dst, src in ((self.live.conv, self.store.conv), (self.live.recurrent, self.store.recurrent)):
-            for d, s in zip(dst, src):
-                d[live_slot].copy_(s[slot])
-
-    def give_back(self, slots: list[int]) -> None:
-        for s in slots:
-            assert 0 <= s < self.num_slots and s not in self._free, f"snapshot slot {s} freed twice"
-            self._free.append(s)
-
-
 class HybridCacheManager(CacheManager):
     def __init__(self, num_pages: int, page_size: int, max_running_req: int, max_seq_len: int,
-                 device: torch.device, kv: KVCache, live: LinearStatePool, num_snapshots: int, interval: int) -> None:
+                 device: torch.device, kv: KVCache, live: LinearStatePool, reserved_snapshots: int,
+                 interval: int) -> None:
         super().__init__(num_pages, page_size, max_running_req, max_seq_len, device, PrefixCache(page_size))
         self.kv = kv
-        self.snapshots = SnapshotPool(live, num_snapshots)
+        per = SnapshotPool.pages_for(live, kv)
+        self.snapshots = SnapshotPool(live, kv, max_slots=self.pool.capacity // per)
+        # pages requests never count on, so that this many snapshots always have room (held or free)
+        self.reserved_pages = min(reserved_snapshots, self.snapshots.max_slots) * per
         self.interval = max(page_size, interval // page_size * page_size)  # snapshots sit on page boundaries
         self._holders: dict[int, PageNode] = {}  # snapshot slot -> the node that has it
         self._tails: dict[int, Tail] = {}  # snapshot slot -> the tail that has it
@@ -99,7 +73,13 @@ class HybridCacheManager(CacheManager):
     # --- accounting -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return super().num_free_pages + len(self._tails)  # a tail's page is never locked: always evictable
+        # a tail's page is never locked, and a snapshot's pages go back whenever a request needs them, but for
+        # the reserve
+        return super().num_free_pages + len(self._tails) + self.snapshots.pages_in_use - self.reserved_pages
+
+    @property
+    def num_total_pages(self) -> int:
+        return self.pool.capacity - self.reserved_pages
 
     @property
     def num_cached_pages(self) -> int:
@@ -120,29 +100,46 @@ class HybridCacheManager(CacheManager):
         return self.snapshots.num_free + self.num_cached_snapshots
 
     def _extra_owned_pages(self) -> list[int]:
-        return [t.page for t in self._tails.values()]
+        return [t.page for t in self._tails.values()] + self.snapshots.pages_of()
 
     def _live_slot(self, req: Req) -> int:
         return slot_of_row(req.table_row, self.dummy_row)
 
     def _alloc(self, n: int) -> list[int]:
-        short = n - self.pool.num_free
-        if short > 0:  # tails first: a page each for less than a page of prefix
-            for tail in sorted(self._tails.values(), key=lambda t: t.last_access)[:short]:
-                self._drop_tail(tail)
-        return super()._alloc(n)
+        """Pages for a request, freed if need be: the trie's least recently used leaves (with a snapshot they hold),
+        then tails (a snapshot and a page for less than a page of prefix), then snapshots on locked or inner nodes,
+        lowest kind first, then running requests' snapshots not cached yet."""
+        tails = sorted(self._tails.values(), key=lambda t: t.last_access)
+        while self.pool.num_free < n:
+            if self._evict_leaf():
+                continue
+            if tails:
+                self._drop_tail(tails.pop(0))
+                continue
+            if not self._drop_any_snapshot():
+                break
+        return self.pool.alloc(n)
+
+    def _evict_leaf(self) -> bool:
+        pages, snapshots = self.prefix.evict(1)
+        self.pool.free(pages)
+        self._on_evicted_snapshots(snapshots)
+        return bool(pages)
+
+    def _release(self, slots: list[int]) -> None:
+        self.pool.free(self.snapshots.give_back(slots))
 
     def _drop_tail(self, tail: Tail) -> None:
         del self._tails[tail.snapshot]
         del tail.node.tails[tail.tokens]
         self.pool.free([tail.page])
-        self.snapshots.give_back([tail.snapshot])
+        self._release([tail.snapshot])
         self.prefix._push_leaf(tail.node)  # it may be an evictable leaf now
 
     def _on_evicted_snapshots(self, slots: list[int]) -> None:
         for s in slots:
             del self._holders[s]
-        self.snapshots.give_back(slots)
+        self._release(slots)
 
     def drop_unreferenced(self) -> None:
         for tail in list(self._tails.values()):
@@ -150,13 +147,19 @@ class HybridCacheManager(CacheManager):
         super().drop_unreferenced()
 
     def _snapshot_slot(self, live_slot: int, kind: Kind) -> int:
-        """A snapshot slot holding the live state, or -1. When none is free, a cached snapshot of the lowest kind
-        present, up to `kind`, gives way (least recently used first), else a running request's periodic one not
-        cached yet. With fewer slots than conversations, plain LRU would evict a shared system prompt's snapshot
-        for each turn's end, which at most one later turn uses."""
+        """A snapshot holding the live state, or -1. Its pages come from the free list, else from the least recently
+        used cached K/V leaves (not for a periodic one), else a cached snapshot of the lowest kind present, up to
+        `kind`, gives way (least recently used first), else a running request's periodic one not cached yet; at the
+        cap only the last two. With fewer snapshots than conversations, plain LRU would evict a shared system
+        prompt's snapshot for each turn's end, which at most one later turn uses."""
         if not self.snapshots.num_free and not self._displace_snapshot(kind):
             return -1
-        return self.snapshots.take(live_slot)
+        while self.pool.num_free < self.snapshots.pages_per_snapshot:
+            if kind > Kind.PERIODIC and self._evict_leaf():
+                continue
+            if not self._displace_snapshot(kind):
+                return -1
+        return self.snapshots.take(live_slot, self.pool.alloc(self.snapshots.pages_per_snapshot))
 
     @staticmethod
     def _branches(node: PageNode) -> bool:
@@ -164,9 +167,10 @@ class HybridCacheManager(CacheManager):
         return len(node.children) + len(node.tails) > 1
 
     def _cached_kind(self, node: PageNode) -> Kind:
-        if node.snapshot_periodic:
-            return Kind.PERIODIC
-        return Kind.SHARED if self._branches(node) else Kind.SINGLE
+        """The kind it was taken as, or SHARED where the trie branches now. A shared prompt's snapshot stays SHARED
+        when the sequences below it are evicted: under page pressure they are, and the next turn's end would
+        displace it."""
+        return Kind.SHARED if self._branches(node) else Kind(node.snapshot_kind)
 
     def _displace_snapshot(self, kind: Kind) -> bool:
         cached: list[tuple[tuple[Kind, int], PageNode | Tail]] = \
@@ -179,22 +183,28 @@ class HybridCacheManager(CacheManager):
                     self._drop_tail(victim)
                 else:
                     del self._holders[victim.snapshot]
-                    self.snapshots.give_back([victim.snapshot])
+                    self._release([victim.snapshot])
                     victim.snapshot = -1
                 return True
-        return kind > Kind.PERIODIC and self._drop_periodic_in_flight()
+        return kind > Kind.PERIODIC and self._drop_in_flight(Kind.PERIODIC)
 
-    def _drop_periodic_in_flight(self) -> bool:
+    def _drop_in_flight(self, up_to: Kind) -> bool:
+        """Drop a snapshot a running request took and has not cached yet, of a kind up to `up_to`."""
         for taken in self._taken.values():
             for i, (_, slot, kind) in enumerate(taken):
-                if kind == Kind.PERIODIC:
+                if kind <= up_to:
                     del taken[i]
-                    self.snapshots.give_back([slot])
+                    self._release([slot])
                     return True
         return False
 
-    def _hold(self, node: PageNode, slot: int, periodic: bool) -> None:
-        node.snapshot, node.snapshot_periodic = slot, periodic
+    def _drop_any_snapshot(self) -> bool:
+        """For a request short of pages: the lowest-kind cached snapshot, else a running request's periodic one, else
+        any of theirs."""
+        return self._displace_snapshot(Kind.SHARED) or self._drop_in_flight(Kind.SHARED)
+
+    def _hold(self, node: PageNode, slot: int, kind: Kind) -> None:
+        node.snapshot, node.snapshot_kind = slot, kind
         self._holders[slot] = node
 
     # --- admission ----------------------------------------------------------------------------
@@ -277,15 +287,23 @@ class HybridCacheManager(CacheManager):
 
     # --- leaving ------------------------------------------------------------------------------
     def _on_inserted(self, req: Req, path: list[PageNode], pages: list[int], state_at: int) -> int:
-        """The snapshots the request took go to their nodes; its end state becomes a node snapshot or a tail."""
+        """The snapshots the request took go to their nodes; its end state becomes a node snapshot or a tail. The
+        path is locked meanwhile: a snapshot's pages may come from evicting cached leaves, never these."""
+        self.prefix.lock(path)
+        try:
+            return self._snapshot_path(req, path, pages, state_at)
+        finally:
+            self.prefix.unlock(path)
+
+    def _snapshot_path(self, req: Req, path: list[PageNode], pages: list[int], state_at: int) -> int:
         ps, row = self.page_size, req.table_row
         self._split.pop(row, None)
         for pos, slot, kind in self._taken.pop(row, []):
             node = path[pos // ps - 1] if pos // ps <= len(path) else None
             if node is not None and node.snapshot < 0:
-                self._hold(node, slot, kind == Kind.PERIODIC)
+                self._hold(node, slot, kind)
             else:
-                self.snapshots.give_back([slot])
+                self._release([slot])
         if state_at <= 0:
             return -1
         depth = state_at // ps
@@ -297,7 +315,7 @@ class HybridCacheManager(CacheManager):
             if node.snapshot < 0:
                 slot = self._snapshot_slot(self._live_slot(req), Kind.SINGLE)
                 if slot >= 0:
-                    self._hold(node, slot, False)
+                    self._hold(node, slot, Kind.SINGLE)
             return -1
         if rest in node.tails or depth >= len(pages):
             return -1

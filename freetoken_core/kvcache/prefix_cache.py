@@ -30,7 +30,7 @@ class PageNode:
     ref: int = 0
     last_access: int = 0
     snapshot: int = -1  # hybrid models: snapshot slot of the linear states after this page, -1 none
-    snapshot_periodic: bool = False  # taken at an interval, not at a sequence boundary: evicted first
+    snapshot_kind: int = 0  # hybrid: the kvcache.hybrid.Kind the snapshot was taken as (what it is worth)
     tails: dict[tuple[int, ...], object] = field(default_factory=dict)  # hybrid: kvcache.hybrid.Tail by tokens
 
 

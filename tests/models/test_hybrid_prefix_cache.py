@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from freetoken_core import LLM, SamplingParams
-from freetoken_core.kvcache.hybrid import HybridCacheManager
+from freetoken_core.kvcache.hybrid import HybridCacheManager, Kind
 from tests.models.hybrid_checkpoints import VOCAB, make_tiny_hybrid
 from tests.prefix_chat import assert_all_back, assert_later_turns_hit, random_traffic, run_chats, token_ids
 
@@ -29,8 +29,17 @@ def _snapshots_back(llm: LLM) -> None:
     assert cache.num_free_snapshots == cache.snapshots.num_slots == total > 0
 
 
+def _snapshot_pages(path, page_size: int) -> tuple[int, float]:
+    """(K/V pages one snapshot of this tiny model borrows, its bytes in GiB) at `page_size`."""
+    cache = LLM(path, dtype="float32", page_size=page_size, num_pages=512, max_running_req=1).scheduler.cache
+    return cache.snapshots.pages_per_snapshot, cache.snapshots.bytes_per_snapshot / 2**30
+
+
 def _pair(path, **kw):
-    base = dict(dtype="float32", max_running_req=3, max_extend_tokens=16, num_pages=300, prefix_cache_state_gb=STATE_GB) | kw
+    # snapshots borrow these pages: 1,200 tokens' worth hold every conversation's K/V and a snapshot for each
+    pages = 1200 // kw.get("page_size", 1)
+    base = dict(dtype="float32", max_running_req=3, max_extend_tokens=16, num_pages=pages,
+                prefix_cache_state_gb=STATE_GB) | kw
     off = run_chats(LLM(path, enable_prefix_caching=False, **base), **CHAT)
     llm = LLM(path, **base)
     on = run_chats(llm, **CHAT)
@@ -56,10 +65,9 @@ def test_speculation_with_cached_prefixes(hybrid):
 
 def test_small_pools_evict_pages_and_snapshots(hybrid):
     """Few pages and few snapshot slots: both get evicted mid-run; tokens unchanged, nothing leaks."""
-    probe = LLM(hybrid, dtype="float32", page_size=4, num_pages=8, max_running_req=1, prefix_cache_state_gb=1.0)
-    per_slot = probe.scheduler.cache.snapshots.store.nbytes / probe.scheduler.cache.snapshots.num_slots
-    on, llm = _pair(hybrid, page_size=4, num_pages=52, prefix_cache_state_gb=3.5 * per_slot / 2**30)
-    assert llm.scheduler.cache.snapshots.num_slots == 3
+    per_pages, per_gb = _snapshot_pages(hybrid, 4)
+    on, llm = _pair(hybrid, page_size=4, num_pages=52 + 3 * per_pages, prefix_cache_state_gb=3.5 * per_gb)
+    assert llm.scheduler.cache.reserved_pages == 3 * per_pages
     assert llm.scheduler.cache.prefix.evicted_pages > 0
 
 
@@ -71,16 +79,15 @@ def test_fewer_slots_than_conversations_keep_the_shared_prefix(hybrid, start, fi
     prefill chunks, so later conversations of turn 1 match the first one's pages alone and snapshot where they part.
     Together: all six prefill turn 1 in one step, so no request ever matches just the system prompt; turn 2's
     requests snapshot where the trie branches on their path, and every turn from the third hits it."""
-    probe = LLM(hybrid, dtype="float32", page_size=4, num_pages=8, max_running_req=1, prefix_cache_state_gb=1.0)
-    per_slot = probe.scheduler.cache.snapshots.store.nbytes / probe.scheduler.cache.snapshots.num_slots
+    per_pages, per_gb = _snapshot_pages(hybrid, 4)
     chat = dict(CHAT, num_convs=6, num_turns=4, system_len=62)
-    base = dict(dtype="float32", page_size=4, num_pages=400)
+    base = dict(dtype="float32", page_size=4, num_pages=170)  # a few pages beyond the conversations' for snapshots
     base |= dict(max_running_req=4, max_extend_tokens=16) if start == "staggered" else \
         dict(max_running_req=6, max_extend_tokens=512)
     off = run_chats(LLM(hybrid, enable_prefix_caching=False, **base), **chat)
-    llm = LLM(hybrid, prefix_cache_state_gb=2.5 * per_slot / 2**30, prefix_cache_state_interval=8, **base)
+    llm = LLM(hybrid, prefix_cache_state_gb=2.5 * per_gb, prefix_cache_state_interval=8, **base)
     on = run_chats(llm, **chat)
-    assert llm.scheduler.cache.snapshots.num_slots == 2
+    assert llm.scheduler.cache.reserved_pages == 2 * per_pages
     assert token_ids(on) == token_ids(off)
     hits = [[o.num_cached_tokens for o in outs] for outs in on]
     assert all(h >= 60 for turn in hits[first_hit_turn:] for h in turn), hits
@@ -114,7 +121,7 @@ def test_periodic_snapshots(hybrid):
     b = llm.generate([second], params)[0]
     assert b.num_cached_tokens == 24
     assert [a.token_ids, b.token_ids] == [o.token_ids for o in off.generate([first, second], params)]
-    periodic = [n for n in llm.scheduler.cache.prefix.nodes() if n.snapshot >= 0 and n.snapshot_periodic]
+    periodic = [n for n in llm.scheduler.cache.prefix.nodes() if n.snapshot >= 0 and n.snapshot_kind == Kind.PERIODIC]
     assert periodic
     _snapshots_back(llm)
 
@@ -122,8 +129,28 @@ def test_periodic_snapshots(hybrid):
 def test_random_arrivals_and_aborts_keep_invariants(hybrid):
     """Random traffic with page and snapshot eviction: pages, tails and snapshot slots each have one owner after
     every step; all come back."""
-    llm = LLM(hybrid, dtype="float32", page_size=2, num_pages=48, max_running_req=4, max_extend_tokens=10,
-              prefix_cache_state_gb=STATE_GB / 100, prefix_cache_state_interval=8)
+    per_pages, per_gb = _snapshot_pages(hybrid, 2)
+    llm = LLM(hybrid, dtype="float32", page_size=2, num_pages=48 + 2 * per_pages, max_running_req=4,
+              max_extend_tokens=10, prefix_cache_state_gb=6.5 * per_gb, prefix_cache_state_interval=8)
     random_traffic(llm, (3, VOCAB))
     _snapshots_back(llm)
     assert llm.scheduler.cache.prefix.hit_tokens > 0
+
+
+def test_requests_take_back_the_pages_snapshots_borrow(hybrid):
+    """Snapshots hold K/V pages only while no request needs them: once chats have left snapshots in most of the pool,
+    a request that needs nearly every page runs (the snapshots in its way dropped), with cache-off's tokens."""
+    per_pages, per_gb = _snapshot_pages(hybrid, 4)
+    base = dict(dtype="float32", page_size=4, num_pages=140, max_running_req=2, max_extend_tokens=64)
+    llm = LLM(hybrid, prefix_cache_state_gb=1.5 * per_gb, **base)  # one reserved, the others borrowed
+    off = LLM(hybrid, enable_prefix_caching=False, **base)
+    chat = dict(CHAT, num_convs=4, num_turns=2)
+    assert token_ids(run_chats(llm, **chat)) == token_ids(run_chats(off, **chat))
+    cache = llm.scheduler.cache
+    held = cache.snapshots.pages_in_use
+    assert held >= 4 * per_pages and cache.reserved_pages == per_pages
+    long = [(11 * i) % (VOCAB - 3) + 3 for i in range(500)]  # 125 pages of the 140, with its 8 new tokens
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert llm.generate([long], params)[0].token_ids == off.generate([long], params)[0].token_ids
+    assert cache.snapshots.pages_in_use < held
+    _snapshots_back(llm)

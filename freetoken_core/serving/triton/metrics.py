@@ -63,7 +63,8 @@ class TritonMetrics(EngineMetrics):
             family("freetoken_prefix_cache_pages", "KV pages held by the prefix cache", MF.GAUGE),
             family("freetoken_prefix_cache_snapshot_slots", "Linear-state snapshot slots held by the prefix cache",
                    MF.GAUGE),
-            family("freetoken_prefix_cache_snapshot_slots_total", "Linear-state snapshot slots in the pool", MF.GAUGE),
+            family("freetoken_prefix_cache_snapshot_slots_total", "Linear-state snapshots the K/V pages can hold",
+                   MF.GAUGE),
             family("freetoken_prefix_cache_snapshot_slots_free",
                    "Linear-state snapshot slots free or evictable (not taken by a running request)", MF.GAUGE),
         ]
