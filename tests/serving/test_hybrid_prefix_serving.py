@@ -24,7 +24,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc")
 
 PAGE = 16  # SERVER_PARAMS' page_size
 PREFIX = 64
-STATE_GB = "0.0005"  # a few dozen snapshot slots of this tiny model, not the default share of 512 tiny pages
+STATE_GB = "0.0005"  # a few dozen snapshots of this tiny model reserved beside the 512 pages, not half of them
 
 
 @pytest.fixture(scope="module")
