@@ -41,6 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_fp8  # noqa: E402 (this folder's, found once the line above ran)
+
 
 def load_peer_template():
     """run_freetoken.py (the working decode peer) from this file's folder or ./.peer."""
@@ -109,7 +112,10 @@ def prepare(args: argparse.Namespace, rf) -> tuple[str, dict]:
     os.environ["PATH"] = os.pathsep.join(path)
     for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(k, v)
-    model_dir = str(rf.write_shape(args.shape, Path(args.work_dir), args.quant))
+    if args.quant == "fp8":
+        peer_fp8.fp8_shapes(rf)
+        peer_fp8.realistic_scales(rf)
+    model_dir = str(rf.write_shape(args.shape, Path(args.work_dir)))
 
     import torch
 
@@ -256,7 +262,8 @@ def main() -> int:
     ap.add_argument("--memory-ratio", type=float, default=0.9)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--init", choices=["core", "freetoken"], default="core", help="dummy weights, as run_freetoken.py")
-    ap.add_argument("--quant", choices=["none", "fp8"], default="none", help="as run_freetoken.py")
+    ap.add_argument("--quant", choices=["none", "fp8"], default="none",
+                    help="fp8: the FP8 releases' quantization_config (peer_fp8.py)")
     ap.add_argument("--work-dir", default="/tmp/ft-peer-models")
     ap.add_argument("--check-only", action="store_true", help="no GPU: config resolution + API names")
     ap.add_argument("--json", help="write the results here too (with the output tokens)")
