@@ -109,12 +109,14 @@ class HybridCacheManager(CacheManager):
         """Pages for a request, freed if need be: the trie's least recently used leaves (with a snapshot they hold),
         then tails (a snapshot and a page for less than a page of prefix), then snapshots on locked or inner nodes,
         lowest kind first, then running requests' snapshots not cached yet."""
-        tails = sorted(self._tails.values(), key=lambda t: t.last_access)
+        tails: list[Tail] | None = None  # sorted once, if the leaves do not suffice
         while self.pool.num_free < n:
             if self._evict_leaf():
                 continue
+            if tails is None:
+                tails = sorted(self._tails.values(), key=lambda t: t.last_access, reverse=True)
             if tails:
-                self._drop_tail(tails.pop(0))
+                self._drop_tail(tails.pop())
                 continue
             if not self._drop_any_snapshot():
                 break
