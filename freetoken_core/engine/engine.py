@@ -85,7 +85,7 @@ class Engine:
         self.last_verify_state: LinearStateStep | None = None
         budget_bytes, max_pages = self._kv_budget(shape, max_running_req)
         kind = cache_kind(config, self.linear_pool, self.tp is not None)
-        if kind == "hybrid":  # the prefix cache's linear-state snapshots borrow K/V pages up to a cap
+        if kind == "hybrid":  # K/V pages reserved for the prefix cache's linear-state snapshots
             snapshots, num_pages = plan_snapshots(config, self.linear_pool, budget_bytes, shape.bytes_per_page())
         else:
             snapshots, num_pages = 0, min(budget_bytes // shape.bytes_per_page(), max_pages)

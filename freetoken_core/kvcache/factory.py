@@ -15,7 +15,7 @@ from .linear_state import LinearStatePool
 from .manager import CacheManager
 from .pool import KVCache
 from .prefix_cache import PrefixCache
-from .snapshots import SnapshotPool, pages_per_snapshot
+from .snapshots import pages_per_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _radix(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) 
 
 
 def _hybrid(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots) -> CacheManager:
-    if (num_pages - 1) // SnapshotPool.pages_for(linear, kv) < 1:
+    if (num_pages - 1) // pages_per_snapshot(linear, kv.shape.bytes_per_page()) < 1:
         log.warning("prefix caching is off: the K/V pages hold no linear-state snapshot")
         return _plain(config, num_pages, rows, max_seq_len, device, kv, linear, snapshots)
     return HybridCacheManager(num_pages, config.page_size, rows, max_seq_len, device, kv, linear, snapshots,

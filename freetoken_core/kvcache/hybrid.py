@@ -60,10 +60,9 @@ class HybridCacheManager(CacheManager):
                  interval: int) -> None:
         super().__init__(num_pages, page_size, max_running_req, max_seq_len, device, PrefixCache(page_size))
         self.kv = kv
-        per = SnapshotPool.pages_for(live, kv)
-        self.snapshots = SnapshotPool(live, kv, max_slots=self.pool.capacity // per)
+        self.snapshots = SnapshotPool(live, kv, self.pool.capacity)
         # pages requests never count on, so that this many snapshots always have room (held or free)
-        self.reserved_pages = min(reserved_snapshots, self.snapshots.max_slots) * per
+        self.reserved_pages = min(reserved_snapshots, self.snapshots.max_slots) * self.snapshots.pages_per_snapshot
         self.interval = max(page_size, interval // page_size * page_size)  # snapshots sit on page boundaries
         self._holders: dict[int, PageNode] = {}  # snapshot slot -> the node that has it
         self._tails: dict[int, Tail] = {}  # snapshot slot -> the tail that has it
@@ -111,7 +110,7 @@ class HybridCacheManager(CacheManager):
         lowest kind first, then running requests' snapshots not cached yet."""
         tails: list[Tail] | None = None  # sorted once, if the leaves do not suffice
         while self.pool.num_free < n:
-            if self._evict_leaf():
+            if self._evict(1):
                 continue
             if tails is None:
                 tails = sorted(self._tails.values(), key=lambda t: t.last_access, reverse=True)
@@ -121,12 +120,6 @@ class HybridCacheManager(CacheManager):
             if not self._drop_any_snapshot():
                 break
         return self.pool.alloc(n)
-
-    def _evict_leaf(self) -> bool:
-        pages, snapshots = self.prefix.evict(1)
-        self.pool.free(pages)
-        self._on_evicted_snapshots(snapshots)
-        return bool(pages)
 
     def _release(self, slots: list[int]) -> None:
         self.pool.free(self.snapshots.give_back(slots))
@@ -151,13 +144,13 @@ class HybridCacheManager(CacheManager):
     def _snapshot_slot(self, live_slot: int, kind: Kind) -> int:
         """A snapshot holding the live state, or -1. Its pages come from the free list, else from the least recently
         used cached K/V leaves (not for a periodic one), else a cached snapshot of the lowest kind present, up to
-        `kind`, gives way (least recently used first), else a running request's periodic one not cached yet; at the
-        cap only the last two. With fewer snapshots than conversations, plain LRU would evict a shared system
+        `kind`, gives way (least recently used first), else a running request's periodic one not cached yet; with
+        every snapshot id in use (the pages hold no more) only the last two. With fewer snapshots than conversations, plain LRU would evict a shared system
         prompt's snapshot for each turn's end, which at most one later turn uses."""
         if not self.snapshots.num_free and not self._displace_snapshot(kind):
             return -1
         while self.pool.num_free < self.snapshots.pages_per_snapshot:
-            if kind > Kind.PERIODIC and self._evict_leaf():
+            if kind > Kind.PERIODIC and self._evict(1):
                 continue
             if not self._displace_snapshot(kind):
                 return -1

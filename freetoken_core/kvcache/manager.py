@@ -94,10 +94,16 @@ class CacheManager:
     def _alloc(self, n: int) -> list[int]:
         short = n - self.pool.num_free
         if short > 0 and self.prefix is not None:
-            pages, snapshots = self.prefix.evict(short)
-            self.pool.free(pages)
-            self._on_evicted_snapshots(snapshots)
+            self._evict(short)
         return self.pool.alloc(n)
+
+    def _evict(self, num_pages: int) -> int:
+        """Evict up to `num_pages` unheld cached pages (least recently used leaves) into the free list; returns how
+        many."""
+        pages, snapshots = self.prefix.evict(num_pages)
+        self.pool.free(pages)
+        self._on_evicted_snapshots(snapshots)
+        return len(pages)
 
     def _on_evicted_snapshots(self, slots: list[int]) -> None:
         """Hook for the hybrid cache's snapshot pool (kvcache/hybrid.py)."""
@@ -226,9 +232,7 @@ class CacheManager:
     def drop_unreferenced(self) -> None:
         """Evict every cached page no request holds (after a failed step: what it wrote is suspect)."""
         if self.prefix is not None:
-            pages, snapshots = self.prefix.evict(self.prefix.num_unreferenced)
-            self.pool.free(pages)
-            self._on_evicted_snapshots(snapshots)
+            self._evict(self.prefix.num_unreferenced)
 
     # --- slots ------------------------------------------------------------------------------
     def slots(self, req: Req, start: int, end: int) -> list[int]:

@@ -41,17 +41,14 @@ def _page_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class SnapshotPool:
-    @staticmethod
-    def pages_for(live: LinearStatePool, kv: KVCache) -> int:
-        return pages_per_snapshot(live, kv.shape.bytes_per_page())
-
-    def __init__(self, live: LinearStatePool, kv: KVCache, max_slots: int) -> None:
+    def __init__(self, live: LinearStatePool, kv: KVCache, num_pages: int) -> None:
+        """Snapshots of `live`'s states in `kv`'s pages, as many as `num_pages` pages hold."""
         self.live = live
-        self.max_slots = max_slots
         self._kv_pages = [_page_bytes(t) for t in kv.k + kv.v]
         piece = self._kv_pages[0].shape[1]
-        self.pages_per_snapshot = pages_per_snapshot(live, piece * len(self._kv_pages))
-        self.bytes_per_snapshot = self.pages_per_snapshot * piece * len(self._kv_pages)
+        self.pages_per_snapshot = pages_per_snapshot(live, kv.shape.bytes_per_page())
+        self.bytes_per_snapshot = self.pages_per_snapshot * kv.shape.bytes_per_page()
+        self.max_slots = num_pages // self.pages_per_snapshot
         self._staging = torch.zeros(self.bytes_per_snapshot, dtype=torch.uint8, device=live.device)
         self._pieces = self._staging.view(len(self._kv_pages), self.pages_per_snapshot, piece)
         # (live state buffer, its packed view in the staging buffer)
@@ -61,7 +58,7 @@ class SnapshotPool:
             nbytes = t[0].numel() * t.element_size()
             self._packed.append((t, self._staging[offset:offset + nbytes].view(t.dtype).view(t.shape[1:])))
             offset += -(-nbytes // ALIGN) * ALIGN
-        self._free = list(range(max_slots - 1, -1, -1))
+        self._free = list(range(self.max_slots - 1, -1, -1))
         self._pages: dict[int, tuple[list[int], torch.Tensor]] = {}  # slot -> (its pages, them as a device index)
 
     @property

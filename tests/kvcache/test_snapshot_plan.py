@@ -65,9 +65,9 @@ def test_a_snapshot_round_trips_through_borrowed_pages(kv_dtype, state_dtype):
                  torch.device("cpu"))
     for t in kv.k + kv.v:
         t.normal_()
-    store = SnapshotPool(live, kv, max_slots=2)
-    per = store.pages_per_snapshot
-    assert per == -(-snapshot_bytes(live) // kv.shape.bytes_per_page()) and per > 1
+    per = pages_per_snapshot(live, kv.shape.bytes_per_page())
+    store = SnapshotPool(live, kv, num_pages=2 * per)
+    assert store.pages_per_snapshot == per == -(-snapshot_bytes(live) // kv.shape.bytes_per_page()) and per > 1
     before = [t.clone() for t in kv.k + kv.v]
     pages = list(range(79, 79 - per, -1))  # any pages, in any order
     want = [t[1].clone() for t in live.conv + live.recurrent]
