@@ -1,6 +1,7 @@
 """Block-FP8 kernels (freetoken_core/kernels/fp8_*.py) against their bf16 counterparts on Qwen3-30B-A3B shapes.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_fp8.py [--no-sweep]
+    PYTHONPATH=$PWD python3 benchmarks/bench_fp8.py --tiles    the GEMM and grouped-expert tiles, both modes, per row count
 
 One-row GEMVs and the expert decode GEMVs time inside CUDA graphs cycling through weight copies far past the L2
 (bench_gemv.graph_time_us), and print the share of the copy bandwidth their weight bytes took; the prefill GEMMs
@@ -145,13 +146,101 @@ def prefill_gemms() -> None:
               f" | {rate(lambda: fp8_gemm_w8a8(a, q, s)):.0f} |", flush=True)
 
 
+GEMM_TILES = [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=w, num_stages=s)
+              for m, n, w, s in ((64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
+                                 (128, 256, 8, 3), (64, 256, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4))]
+SMALL_M_GEMM_TILES = [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=w, num_stages=s)
+                      for m, n, w, s in ((16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 3),
+                                         (64, 64, 4, 4), (64, 128, 4, 3))]
+GROUPED_TILES = {
+    64: [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=w, num_stages=s,
+              down=dict(BLOCK_SIZE_N=dn))
+         for m, n, dn, w, s in ((16, 128, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 256, 8, 3), (32, 64, 128, 4, 4),
+                                (16, 64, 64, 4, 5), (32, 128, 128, 8, 3))],
+    8192: [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=g, num_warps=w, num_stages=s,
+                down=dict(BLOCK_SIZE_N=dn))
+           for m, n, dn, g, w, s in ((64, 64, 128, 8, 4, 3), (64, 128, 128, 8, 8, 3), (128, 64, 128, 8, 8, 3),
+                                     (128, 128, 128, 8, 8, 3), (128, 64, 256, 16, 8, 4), (64, 64, 64, 1, 4, 4))],
+}
+
+
+def _scaled_mm_blockwise(a: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+    """torch's block-scaled GEMM (cuBLAS / CUTLASS on Hopper) for the dense w8a8 case, or None where this torch has
+    none: activations 1 x 128 (token-major scales), weight 128 x 128 (K blocks padded to a multiple of 4)."""
+    from freetoken_core.kernels.fp8_gemm import per_token_group_quant_fp8
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return None
+    m = a.shape[0]
+    kb = s.shape[1]
+    s_pad = F.pad(s, (0, -kb % 4)) if kb % 4 else s
+    wt = q.t()
+
+    def run():
+        aq, a_s = per_token_group_quant_fp8(a)
+        return F.scaled_mm(aq, wt, a_s.t().contiguous().t(), F.ScalingType.BlockWise1x128, s_pad.t(),
+                           F.ScalingType.BlockWise128x128, output_dtype=a.dtype)[:m]
+    return run
+
+
+def tiles() -> None:
+    """The dense GEMM's and the grouped expert GEMM's tiles, weight-only and w8a8, at the row counts of a batch-64
+    decode step and an 8,192-token prefill, beside the bf16 paths they replace (Qwen3-30B-A3B shapes)."""
+    print("\n| GEMM M x N x K | bf16 cuBLAS us | mode | default tile us | best tile us | best tile |")
+    print("|---|---|---|---|---|---|")
+    for m, n, k in ((64, 5120, 2048), (64, 2048, 4096), (8192, 5120, 2048), (8192, 2048, 4096)):
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q, s = quantize_block_fp8(wb)
+        t_bf16 = graph_time_us(lambda i: F.linear(a, wb), 5)
+        for mode, fn in (("weight-only", fp8_gemm_weight_only), ("w8a8", fp8_gemm_w8a8)):
+            _close(fn(a, q, s), fp8_gemv_reference(a, q, s), mode)
+            call = lambda i, fn=fn, **c: fn(a, q, s, config=c or None)  # noqa: E731
+            default = graph_time_us(call, 5)
+            best, cfg = sweep_best(call, SMALL_M_GEMM_TILES if m <= 256 else GEMM_TILES, 5, default, {})
+            print(f"| {m} x {n} x {k} | {t_bf16:.1f} | {mode} | {default:.1f} | {best:.1f} | {cfg or 'default'} |",
+                  flush=True)
+        run = None
+        try:
+            run = _scaled_mm_blockwise(a, q, s)
+            if run is not None:
+                _close(run(), fp8_gemv_reference(a, q, s), "scaled_mm")
+                print(f"| {m} x {n} x {k} | {t_bf16:.1f} | torch scaled_mm 1x128/128x128 | "
+                      f"{graph_time_us(lambda i: run(), 5):.1f} | | |", flush=True)
+        except Exception as e:  # noqa: BLE001  this torch / cuBLAS has no block-scaled GEMM: say why
+            print(f"| {m} x {n} x {k} | {t_bf16:.1f} | torch scaled_mm | failed: {type(e).__name__}: "
+                  f"{str(e)[:160]} | | |", flush=True)
+    e, h, inter, top_k = 128, 2048, 768, 8
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+    w2 = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
+    q13, s13 = quantize_block_fp8(w13)
+    q2, s2 = quantize_block_fp8(w2)
+    print("\n| experts, tokens | bf16 grouped us | mode | default tile us | best tile us | best tile |")
+    print("|---|---|---|---|---|---|")
+    for tokens, candidates in GROUPED_TILES.items():
+        xs = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        w, ids = topk_softmax_ref(torch.randn(tokens, e, device="cuda"), top_k, True)
+        t_bf16 = graph_time_us(lambda i: fused_moe_grouped(xs, w13, w2, w, ids), 4)
+        for w8a8 in (False, True):
+            call = lambda i, w8a8=w8a8, **c: fp8_fused_moe_grouped(xs, q13, s13, q2, s2, w, ids,  # noqa: E731
+                                                                  config=c or None, w8a8=w8a8)
+            _close(call(0), fp8_fused_moe_reference(xs, q13, s13, q2, s2, w, ids), "grouped")
+            default = graph_time_us(call, 4)
+            best, cfg = sweep_best(call, candidates, 4, default, {})
+            print(f"| 128 x 2048 x 768, T={tokens} | {t_bf16:.1f} | {'w8a8' if w8a8 else 'weight-only'} | "
+                  f"{default:.1f} | {best:.1f} | {cfg or 'default'} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--tiles", action="store_true", help="only the GEMM and grouped-expert tile sweep (both modes)")
     args = p.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
           f"copy {bw / 1e12:.2f} TB/s")
+    if args.tiles:
+        tiles()
+        return
     gemvs(bw, not args.no_sweep)
     experts_decode(bw, not args.no_sweep)
     prefill_gemms()

@@ -6,8 +6,9 @@
 - weight-only: the FP8 weight tile converts (exactly) to the activations' dtype and `tl.dot` runs in bf16; each
   K step's product is scaled by the weight block's scale. No quantization launch, no activation rounding.
 
-Which pays depends on the shape (to be picked per shape after measurement on the GPU); `fp8_linear` dispatches any
-row count (the GEMVs of `fp8_gemv.py` up to 16 rows). Weight format as
+`fp8_linear` dispatches any row count: the GEMVs of `fp8_gemv.py` up to 16 rows, then w8a8 for 16-bit activations
+(twice as fast as weight-only already at 64 rows, `benchmarks/bench_fp8.py --tiles`) and weight-only for fp32 ones
+(the reference math the CPU tests hold to transformers). Weight format as
 `fp8_gemv.py`: float8_e4m3fn [N, K] with contiguous rows, scale_inv [ceil(N/GN), ceil(K/GK)]. The weight tile is
 loaded [BLOCK_K, BLOCK_N] from K-contiguous rows (the K-major B operand Hopper's FP8 wgmma needs). BLOCK_K divides
 GK and BLOCK_N divides GN, so one scale per weight tile and K step. References: `fp8_gemm_ref.py`.
@@ -16,6 +17,7 @@ GK and BLOCK_N divides GN, so one scale per weight tile and K step. References: 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -28,12 +30,13 @@ from .fp8_ref import DEFAULT_BLOCK, FP8_DTYPE, FP8_MAX
 from ..env import triton_interpreted
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
-# GEMM tiles (to be set by measurement on the GPU; vLLM's block-FP8 default is 64 x 128 x 128, 8 in a group)
-FP8_GEMM_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=4,
-                       num_stages=3)
-# Rows from which `fp8_linear` quantizes the activations (w8a8) instead of converting the weight tiles (weight-only):
-# a guess until measured per shape on the GPU (benchmarks/bench_fp8.py); vLLM and SGLang run every block-FP8 GEMM w8a8
-W8A8_MIN_ROWS = 256
+# GEMM tiles: the best of `benchmarks/bench_fp8.py --tiles` on Qwen3-30B-A3B's attention shapes at 64 and 8,192 rows
+# (H100; RESULTS, "Block-FP8"); from BLOCK_SCALED_MIN_ROWS rows torch's block-scaled GEMM where it runs
+FP8_GEMM_CONFIG = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=8,
+                       num_stages=4)
+FP8_GEMM_FEW_ROWS_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
+                                num_stages=4)
+FEW_ROWS = 256  # below it FP8_GEMM_FEW_ROWS_CONFIG, and the Triton GEMM rather than torch's block-scaled one
 _INTERPRETER_CONFIG = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=2, num_warps=4,
                            num_stages=1)
 
@@ -135,9 +138,13 @@ def _fp8_gemm_kernel(a_ptr, a_s_ptr, w_ptr, w_s_ptr, b_ptr, c_ptr, M, N, K, stri
              mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
-def gemm_tile(config: dict | None, block: tuple[int, int]) -> dict:
-    """A GEMM config with BLOCK_SIZE_N / BLOCK_SIZE_K fitted into the scale block (one scale per tile and step)."""
-    cfg = dict(config or (_INTERPRETER_CONFIG if triton_interpreted() else FP8_GEMM_CONFIG))
+def gemm_tile(config: dict | None, block: tuple[int, int], rows: int = FEW_ROWS) -> dict:
+    """A GEMM config (given, else the default for `rows`) with BLOCK_SIZE_N / BLOCK_SIZE_K fitted into the scale
+    block (one scale per tile and step)."""
+    if config is None:
+        config = (_INTERPRETER_CONFIG if triton_interpreted()
+                  else FP8_GEMM_FEW_ROWS_CONFIG if rows < FEW_ROWS else FP8_GEMM_CONFIG)
+    cfg = dict(config)
     cfg["BLOCK_SIZE_N"] = pow2_divisor(cfg["BLOCK_SIZE_N"], block[0])
     cfg["BLOCK_SIZE_K"] = pow2_divisor(cfg["BLOCK_SIZE_K"], block[1])
     if min(cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) < 16:
@@ -156,7 +163,7 @@ def _launch_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Te
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return c
-    cfg = gemm_tile(config, block)
+    cfg = gemm_tile(config, block, m)
     bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     _fp8_gemm_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
         a, a_scale if a_scale is not None else scale_inv, weight, scale_inv, bias if bias is not None else scale_inv,
@@ -186,15 +193,44 @@ def fp8_gemm_weight_only(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
     return _launch_gemm(x, None, weight, scale_inv, bias, x.dtype, block, config)
 
 
+def block_scaled_mm_supported(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """Whether torch's block-scaled GEMM (`F.scaled_mm` with 1 x 128 activation and 128 x 128 weight scales: cuBLAS
+    on Hopper) takes this product: faster than `fp8_gemm_w8a8` at prefill sizes (RESULTS, "Block-FP8")."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and tuple(block) == (128, 128)
+            and hasattr(F, "scaled_mm") and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and weight.shape[0] % 128 == 0 and weight.shape[1] % 128 == 0)
+
+
+def fp8_block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_gemm_w8a8` by torch's block-scaled GEMM (`block_scaled_mm_supported` must hold): x quantized per token
+    and 128 columns (`per_token_group_quant_fp8`, rows padded to a multiple of 4 as cuBLAS asks), scales fp32 with
+    the activations' token-major and the weight's K blocks padded to a multiple of 4."""
+    m = x.shape[0]
+    pad = -m % 4
+    q, a_scale = per_token_group_quant_fp8(F.pad(x, (0, 0, 0, pad)) if pad else x, 128)
+    w_scale = scale_inv.float()
+    if w_scale.shape[1] % 4:
+        w_scale = F.pad(w_scale, (0, -w_scale.shape[1] % 4))
+    y = F.scaled_mm(q, weight.t(), a_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128, w_scale.t(),
+                    F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    y = y[:m] if pad else y
+    return y if bias is None else y + bias
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                block: tuple[int, int] = DEFAULT_BLOCK) -> torch.Tensor:
     """x [M, K] @ the block-FP8 weight [N, K] (+ bias) -> [M, N] in x's dtype, by the row count: one row `fp8_gemv`,
-    up to 16 `fp8_rows_gemm` (decode and verify steps, in the PDL chain), then the weight-only GEMM, and the w8a8 GEMM
-    from W8A8_MIN_ROWS rows."""
+    up to 16 `fp8_rows_gemm` (decode and verify steps, in the PDL chain, weight-only), then for bf16 / fp16 x w8a8
+    (torch's block-scaled GEMM from FEW_ROWS rows where it runs, else `fp8_gemm_w8a8`) and for fp32 x the weight-only
+    GEMM."""
     m = x.shape[0]
     if m == 1:
         return fp8_gemv(x, weight, scale_inv, bias, block)
     if 2 <= m <= ROWS_GEMM_MAX_ROWS:
         return fp8_rows_gemm(x, weight, scale_inv, bias, block)
-    gemm = fp8_gemm_w8a8 if m >= W8A8_MIN_ROWS else fp8_gemm_weight_only
-    return gemm(x, weight, scale_inv, bias, block)
+    if x.dtype == torch.float32:
+        return fp8_gemm_weight_only(x, weight, scale_inv, bias, block)
+    if m >= FEW_ROWS and block_scaled_mm_supported(x, weight, block):
+        return fp8_block_scaled_mm(x, weight, scale_inv, bias)
+    return fp8_gemm_w8a8(x, weight, scale_inv, bias, block)

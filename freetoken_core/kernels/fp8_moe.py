@@ -6,9 +6,10 @@ stacks are float8_e4m3fn with block scales s13 [E, ceil(2I/GN), ceil(H/GK)], s2 
 (fp8_moe_gemv.py). Each program multiplies one BLOCK_SIZE_M block of one expert's routes by a BLOCK_SIZE_N slice of
 that expert's rows; BLOCK_SIZE_K divides GK and BLOCK_SIZE_N divides GN (and I, where the up rows start), so every
 K step of a program meets one scale per weight tile, applied once to the step's fp32 product. Two modes:
-- weight-only (default): the FP8 tile converts exactly to the activations' dtype, bf16 `tl.dot`;
-- w8a8: x and the SiLU-and-mul output are quantized per token and GK group (`fp8_gemm.per_token_group_quant_fp8`,
-  two more launches) and `tl.dot` runs on FP8 operands, scaled by the token's and the block's scales.
+- w8a8 (bf16 / fp16 activations): x and the SiLU-and-mul output are quantized per token and GK group
+  (`fp8_gemm.per_token_group_quant_fp8`, two more launches) and `tl.dot` runs on FP8 operands, scaled by the
+  token's and the block's scales: faster than weight-only at 64 tokens and 1.7x at 8,192 (`bench_fp8.py --tiles`);
+- weight-only (fp32 activations, the reference math): the FP8 tile converts exactly to the activations' dtype.
 Nothing syncs with the host: CUDA-graph safe. References: `fp8_moe_ref.py`.
 """
 
@@ -18,7 +19,7 @@ import torch
 
 from .fp8_moe_ref import fp8_fused_moe_reference, fp8_fused_moe_w8a8_reference  # noqa: F401  (beside the kernels)
 from .fp8_ref import DEFAULT_BLOCK
-from .fused_moe_configs import DECODE_MAX_TOKENS, Config, down_config, get_config
+from .fused_moe_configs import DECODE_MAX_TOKENS, Config, down_config, fp8_grouped_config, get_config
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -135,16 +136,20 @@ def _launch_fp8_grouped(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.
 def fp8_fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                           topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                           block: tuple[int, int] = DEFAULT_BLOCK, config: Config | None = None,
-                          w8a8: bool = False) -> torch.Tensor:
+                          w8a8: bool | None = None) -> torch.Tensor:
     """`fused_moe.fused_moe_grouped` for FP8 experts: align, gated grouped GEMM, weighted grouped GEMM, sum over k.
-    w8a8: activations quantized per token group before each GEMM (`fp8_fused_moe_w8a8_reference`), else
-    weight-only (`fp8_fused_moe_reference`)."""
+    w8a8 (default: for bf16 / fp16 x): activations quantized per token group before each GEMM
+    (`fp8_fused_moe_w8a8_reference`), else weight-only (`fp8_fused_moe_reference`)."""
     check_fp8_expert_args(x, w13, s13, w2, s2, topk_weights, topk_ids, block)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if num_tokens == 0:
         return torch.empty_like(x)
-    config = config or get_config(num_experts, hidden, two_i // 2, num_tokens, x.dtype)
+    if w8a8 is None:
+        w8a8 = x.dtype != torch.float32
+    if config is None:
+        config = (fp8_grouped_config(num_tokens) if w8a8
+                  else get_config(num_experts, hidden, two_i // 2, num_tokens, x.dtype))
     align = moe_align_block_size(topk_ids, config["BLOCK_SIZE_M"], num_experts)
     a, a_scale = per_token_group_quant_fp8(x, block[1]) if w8a8 else (x, None)
     act = torch.empty((num_tokens * top_k, two_i // 2), dtype=x.dtype, device=x.device)
@@ -158,9 +163,9 @@ def fp8_fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
 def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, block: tuple[int, int] = DEFAULT_BLOCK,
                   config: Config | None = None, decode_config: dict[str, Config] | None = None,
-                  shared_last: bool = False, w8a8: bool = False) -> torch.Tensor:
+                  shared_last: bool = False, w8a8: bool | None = None) -> torch.Tensor:
     """`fused_moe.fused_moe` for FP8 experts: x [T, H] -> [T, H] by the decode GEMVs for T <= DECODE_MAX_TOKENS
-    (weight-only), else by the grouped GEMM (w8a8 or weight-only)."""
+    (weight-only), else by the grouped GEMM (w8a8 for 16-bit x unless told, `fp8_fused_moe_grouped`)."""
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return fp8_fused_moe_decode(x, w13, s13, w2, s2, topk_weights, topk_ids, block=block, config=decode_config,
                                     shared_last=shared_last)

@@ -73,6 +73,23 @@ DECODE_CONFIGS: dict[tuple[int, int, int, str], dict[str, Config]] = {
 }
 
 
+# Block-FP8 experts run w8a8 (kernels/fp8_moe.py): the best tiles of a `benchmarks/bench_fp8.py --tiles` sweep on
+# Qwen3-30B-A3B's experts at 64 and 8,192 tokens (H100; RESULTS, "Block-FP8"), for every expert shape; below
+# FP8_LARGE_TOKENS the few-rows tile (an expert's group holds a handful of routes)
+FP8_LARGE_TOKENS = 512
+FP8_GROUPED_FEW_CONFIG: Config = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
+                                      num_stages=4, down=dict(BLOCK_SIZE_N=128))
+FP8_GROUPED_LARGE_CONFIG: Config = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=8,
+                                        num_warps=4, num_stages=3, down=dict(BLOCK_SIZE_N=128))
+
+
+def fp8_grouped_config(num_tokens: int) -> Config:
+    """The w8a8 FP8 grouped GEMM's tile for T = num_tokens (the interpreter's small tiles on CPU)."""
+    if triton_interpreted():
+        return default_grouped_config(num_tokens)
+    return dict(FP8_GROUPED_FEW_CONFIG if num_tokens < FP8_LARGE_TOKENS else FP8_GROUPED_LARGE_CONFIG)
+
+
 def down_routes(tile: Config, top_k: int) -> str:
     """How the down GEMV covers a token's k routes: "tile" (all routes' rows in one [k, N, K] tile, k padded
     to a power of two) or "loop" (one route's rows at a time, pipelined). The tile's "routes" entry, else

@@ -87,15 +87,16 @@ def test_fp8_gemm_blocks_other_than_128_and_no_rows():
     assert fp8_gemm_w8a8(x[:0], q, s, block=block).shape == (0, 80)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m", [1, 7, 17, 40])
-def test_fp8_linear_picks_a_kernel_by_rows(m, monkeypatch):
-    monkeypatch.setattr(fp8_gemm, "W8A8_MIN_ROWS", 32)  # a small threshold keeps the interpreter quick
+def test_fp8_linear_picks_a_kernel_by_rows_and_dtype(m, dtype):
+    # up to 16 rows the weight-only GEMVs; past them w8a8 for 16-bit activations, weight-only for fp32 ones
     q, s = fp8_weight(48, 160)
-    x = _randn(m, 160, seed=m)
-    b = _randn(48, seed=3)
-    want = (w8a8_gemm_reference if m >= 32 else fp8_gemv_reference)(x, q, s, b)
-    tol = w8a8_tol(want, torch.float32) if m >= 32 else TOL[torch.float32]
-    torch.testing.assert_close(fp8_linear(x, q, s, b), want, **tol)
+    x = _randn(m, 160, dtype=dtype, seed=m)
+    b = _randn(48, dtype=dtype, seed=3)
+    w8a8 = m > 16 and dtype != torch.float32
+    want = (w8a8_gemm_reference if w8a8 else fp8_gemv_reference)(x, q, s, b)
+    torch.testing.assert_close(fp8_linear(x, q, s, b), want, **(w8a8_tol(want, dtype) if w8a8 else TOL[dtype]))
 
 
 @needs_cuda
@@ -108,3 +109,17 @@ def test_fp8_gemms_bf16_on_gpu(m):
     qx, sx = per_token_group_quant_fp8(x)
     want_q, want_s = per_token_group_quant_fp8_reference(x)
     assert torch.equal(sx, want_s) and torch.equal(qx.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@needs_cuda
+@pytest.mark.parametrize("m,k", [(1000, 2048), (258, 768)])
+def test_block_scaled_mm_matches_the_w8a8_reference(m, k):
+    # torch's block-scaled GEMM (prefill sizes on Hopper): rows padded to 4, K blocks (768 / 128 = 6) padded to 4
+    q, s = fp8_weight(512, k)
+    x = _randn(m, k, dtype=torch.bfloat16, seed=2)
+    b = _randn(512, dtype=torch.bfloat16, seed=3)
+    if not fp8_gemm.block_scaled_mm_supported(x, q, (128, 128)):
+        pytest.skip("torch's block-scaled GEMM needs an sm_90 GPU and a torch with F.scaled_mm")
+    want = w8a8_gemm_reference(x, q, s, b)
+    torch.testing.assert_close(fp8_gemm.fp8_block_scaled_mm(x, q, s, b), want, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(fp8_linear(x, q, s, b), want, atol=3e-2, rtol=2e-2)

@@ -85,8 +85,19 @@ def test_fp8_grouped_weight_only_matches_reference(dtype):
     q13, s13, q2, s2 = fp8_experts()
     x = _randn(20, H, dtype=dtype, seed=2)
     w, ids = routing(20, 2, seed=1)
-    got = fp8_fused_moe(x, q13, s13, q2, s2, w, ids, config=GROUPED_TILE)  # 20 tokens: the grouped path
+    got = fp8_fused_moe(x, q13, s13, q2, s2, w, ids, config=GROUPED_TILE, w8a8=False)  # 20 tokens: grouped
     torch.testing.assert_close(got, fp8_fused_moe_reference(x, q13, s13, q2, s2, w, ids), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_grouped_mode_follows_the_activations_dtype(dtype):
+    # w8a8 for 16-bit activations, weight-only (the reference math) for fp32 ones
+    q13, s13, q2, s2 = fp8_experts()
+    x = _randn(12, H, dtype=dtype, seed=4)
+    w, ids = routing(12, 2, seed=3)
+    reference = fp8_fused_moe_reference if dtype == torch.float32 else fp8_fused_moe_w8a8_reference
+    got = fp8_fused_moe(x, q13, s13, q2, s2, w, ids, config=GROUPED_TILE)
+    torch.testing.assert_close(got, reference(x, q13, s13, q2, s2, w, ids), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -122,13 +133,14 @@ def assert_close_bf16_experts(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [1, 4, 64])
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 1000])
 def test_fp8_experts_bf16_on_gpu(num_tokens):
+    # the decode GEMVs (weight-only) up to 8 tokens, then the grouped GEMM: w8a8 in its few-rows and large tiles
     q13, s13, q2, s2 = fp8_experts(128, 2048, 768)
     x = _randn(num_tokens, 2048, dtype=torch.bfloat16, seed=1)
     w, ids = routing(num_tokens, 8, 128)
-    want = fp8_fused_moe_reference(x, q13, s13, q2, s2, w, ids)
-    assert_close_bf16_experts(fp8_fused_moe(x, q13, s13, q2, s2, w, ids), want)
+    reference = fp8_fused_moe_w8a8_reference if num_tokens > 8 else fp8_fused_moe_reference
+    assert_close_bf16_experts(fp8_fused_moe(x, q13, s13, q2, s2, w, ids), reference(x, q13, s13, q2, s2, w, ids))
     if num_tokens > 8:
-        got = fp8_fused_moe_grouped(x, q13, s13, q2, s2, w, ids, w8a8=True)
-        assert_close_bf16_experts(got, fp8_fused_moe_w8a8_reference(x, q13, s13, q2, s2, w, ids))
+        got = fp8_fused_moe_grouped(x, q13, s13, q2, s2, w, ids, w8a8=False)
+        assert_close_bf16_experts(got, fp8_fused_moe_reference(x, q13, s13, q2, s2, w, ids))
