@@ -31,7 +31,7 @@ from ..env import triton_interpreted
 
 _E4M3_MAX = tl.constexpr(FP8_MAX)
 # GEMM tiles: the best of `benchmarks/bench_fp8.py --tiles` on Qwen3-30B-A3B's attention shapes at 64 and 8,192 rows
-# (H100; RESULTS, "Block-FP8"); from BLOCK_SCALED_MIN_ROWS rows torch's block-scaled GEMM where it runs
+# (H100; RESULTS, "Block-FP8"); from FEW_ROWS rows torch's block-scaled GEMM where it runs
 FP8_GEMM_CONFIG = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=8,
                        num_stages=4)
 FP8_GEMM_FEW_ROWS_CONFIG = dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
