@@ -17,7 +17,9 @@ tritonclient's asyncio gRPC (the frontend's own EnsembleClient, serving/openai/e
 Both send the same prompts (~--prompt-tokens tokens), --output-tokens with ignore_eos, so both generate exactly
 requests x output-tokens tokens. Each prompt starts with its own tag, so that no request is served from the prefix
 cache that an earlier one (or the other side) filled. Prints per side output tok/s and TTFT p50/p90 (time to the
-first token-carrying response), and the ratio OpenAI / gRPC; --json writes the same numbers.
+first token-carrying response), and the ratio OpenAI / gRPC; --json writes the same numbers. --rounds N runs the
+sides N times in turn at each concurrency (gRPC, OpenAI, gRPC, ...) and the table shows each side's medians: a
+baseline that moves between runs (the gRPC side's TTFT at 16 streams did) moves both sides' figures alike.
 
 --load-generator perf_analyzer (perf_analyzer on PATH, e.g. the GPU host's) drives both sides with the same C++ load
 generator instead: streaming /v1/chat/completions (its `openai` service kind) against the ensemble over gRPC streaming,
@@ -248,7 +250,7 @@ async def bench(args: argparse.Namespace, prompts: list[str], failed: list[str])
             batch = [prompts[i % len(prompts)] for i in range(n)]
             warmup = min(n, max(2, c)) if args.warmup is None else args.warmup
             procs = min(c, args.client_procs)
-            for side in args.sides:
+            for side in [side for _ in range(args.rounds) for side in args.sides]:
                 if workdir is not None:
                     try:
                         r = await asyncio.to_thread(run_side_pa, args, side, model, prompts, c, workdir)
@@ -276,8 +278,27 @@ async def bench(args: argparse.Namespace, prompts: list[str], failed: list[str])
     return results
 
 
+@dataclass(frozen=True)
+class Summary:
+    """One side at one concurrency over its rounds: the median of each figure."""
+
+    tok_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+
+
+def summarize(results: list[SideResult]) -> Summary:
+    med = statistics.median
+    return Summary(med(r.tok_s for r in results), med(r.ttft_p50_ms for r in results),
+                   med(r.ttft_p90_ms for r in results))
+
+
 def table(results: list[SideResult]) -> str:
-    by = {(r.concurrency, r.side): r for r in results}
+    """Per concurrency both sides (the medians of their rounds) and OpenAI / gRPC."""
+    rounds: dict[tuple[int, str], list[SideResult]] = {}
+    for r in results:
+        rounds.setdefault((r.concurrency, r.side), []).append(r)
+    by = {key: summarize(rs) for key, rs in rounds.items()}
     lines = ["| concurrency | gRPC tok/s | OpenAI tok/s | OpenAI / gRPC | gRPC TTFT p50 / p90 ms | "
              "OpenAI TTFT p50 / p90 ms |", "|---|---|---|---|---|---|"]
     for c in sorted({r.concurrency for r in results}):
@@ -348,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--sides", nargs="+", choices=["grpc", "openai"], default=["grpc", "openai"])
+    p.add_argument("--rounds", type=int, default=1, help="the sides in turn this many times; the table shows medians")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--client-procs", type=int, default=max(1, (os.cpu_count() or 1) // 8),
                    help="processes the clients of a side are spread over (at most one per stream)")
@@ -384,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if handle is not None:
             handle.stop()
     print(f"\n~{args.prompt_tokens} prompt / {args.output_tokens} output tokens (ignore_eos), streaming, closed loop, "
-          f"load generator {args.load_generator}")
+          f"load generator {args.load_generator}" + (f", medians of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -251,3 +251,13 @@ def test_perf_analyzer_inputs_and_commands_send_the_same_chat_on_both_sides(tmp_
     assert keyed[keyed.index("-H") + 1] == "Authorization:Bearer sk-1" and "api/v1/chat/completions" in keyed
     assert pa.command(grpc, tmp_path / "d.json", [])[:8] == [
         "perf_analyzer", "-m", "ensemble", "-u", "127.0.0.1:8001", "-i", "grpc", "--streaming"]
+
+
+def test_bench_openai_table_shows_the_medians_of_the_rounds():
+    # --rounds 3: each side's three runs at one concurrency reduce to their medians, the ratio from those
+    bench = load_benchmark("bench_openai")
+    run = lambda side, tok, p50, p90: bench.SideResult(side, 16, 100, tok, 1.0, p50, p90)  # noqa: E731
+    results = [run("grpc", 1000, 14.0, 20.0), run("openai", 950, 15.0, 21.0), run("grpc", 1100, 11.0, 15.0),
+               run("openai", 900, 14.0, 20.0), run("grpc", 1050, 13.0, 19.0), run("openai", 1000, 99.0, 99.0)]
+    row = [line for line in bench.table(results).splitlines() if line.startswith("| 16 |")]
+    assert row == ["| 16 | 1050.0 | 950.0 | 0.905 | 13.0 / 19.0 | 15.0 / 21.0 |"]
