@@ -23,6 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dev"))  # bench_gemv's CUDA-graph timer
 from bench_decode import copy_bandwidth  # noqa: E402
 from bench_gemv import graph_time_us, sweep_best  # noqa: E402
+from freetoken_core.kernels import fp8_gemm  # noqa: E402
 from freetoken_core.kernels.fp8_gemm import fp8_gemm_w8a8, fp8_gemm_weight_only  # noqa: E402
 from freetoken_core.kernels.fp8_gemm_ref import fp8_gemv_reference  # noqa: E402
 from freetoken_core.kernels.fp8_gemv import fp8_gemv, fp8_norm_gemv, fp8_rows_gemm  # noqa: E402
@@ -148,38 +149,20 @@ def prefill_gemms() -> None:
 
 GEMM_TILES = [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=8, num_warps=w, num_stages=s)
               for m, n, w, s in ((64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4),
-                                 (128, 256, 8, 3), (64, 256, 8, 3), (256, 128, 8, 3), (128, 64, 4, 4))]
+                                 (256, 128, 8, 3), (128, 64, 4, 4))]
 SMALL_M_GEMM_TILES = [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=w, num_stages=s)
                       for m, n, w, s in ((16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 3),
                                          (64, 64, 4, 4), (64, 128, 4, 3))]
 GROUPED_TILES = {
     64: [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=w, num_stages=s,
               down=dict(BLOCK_SIZE_N=dn))
-         for m, n, dn, w, s in ((16, 128, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 256, 8, 3), (32, 64, 128, 4, 4),
+         for m, n, dn, w, s in ((16, 128, 128, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 8, 3), (32, 64, 128, 4, 4),
                                 (16, 64, 64, 4, 5), (32, 128, 128, 8, 3))],
     8192: [dict(BLOCK_SIZE_M=m, BLOCK_SIZE_N=n, BLOCK_SIZE_K=128, GROUP_SIZE_M=g, num_warps=w, num_stages=s,
                 down=dict(BLOCK_SIZE_N=dn))
            for m, n, dn, g, w, s in ((64, 64, 128, 8, 4, 3), (64, 128, 128, 8, 8, 3), (128, 64, 128, 8, 8, 3),
-                                     (128, 128, 128, 8, 8, 3), (128, 64, 256, 16, 8, 4), (64, 64, 64, 1, 4, 4))],
+                                     (128, 128, 128, 8, 8, 3), (128, 64, 128, 16, 8, 4), (64, 64, 64, 1, 4, 4))],
 }
-
-
-def _scaled_mm_blockwise(a: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
-    """torch's block-scaled GEMM (cuBLAS / CUTLASS on Hopper) for the dense w8a8 case, or None where this torch has
-    none: activations 1 x 128 (token-major scales), weight 128 x 128 (K blocks padded to a multiple of 4)."""
-    from freetoken_core.kernels.fp8_gemm import per_token_group_quant_fp8
-    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
-        return None
-    m = a.shape[0]
-    kb = s.shape[1]
-    s_pad = F.pad(s, (0, -kb % 4)) if kb % 4 else s
-    wt = q.t()
-
-    def run():
-        aq, a_s = per_token_group_quant_fp8(a)
-        return F.scaled_mm(aq, wt, a_s.t().contiguous().t(), F.ScalingType.BlockWise1x128, s_pad.t(),
-                           F.ScalingType.BlockWise128x128, output_dtype=a.dtype)[:m]
-    return run
 
 
 def tiles() -> None:
@@ -196,19 +179,13 @@ def tiles() -> None:
             _close(fn(a, q, s), fp8_gemv_reference(a, q, s), mode)
             call = lambda i, fn=fn, **c: fn(a, q, s, config=c or None)  # noqa: E731
             default = graph_time_us(call, 5)
-            best, cfg = sweep_best(call, SMALL_M_GEMM_TILES if m <= 256 else GEMM_TILES, 5, default, {})
+            best, cfg = sweep_best(call, SMALL_M_GEMM_TILES if m < fp8_gemm.FEW_ROWS else GEMM_TILES, 5, default, {})
             print(f"| {m} x {n} x {k} | {t_bf16:.1f} | {mode} | {default:.1f} | {best:.1f} | {cfg or 'default'} |",
                   flush=True)
-        run = None
-        try:
-            run = _scaled_mm_blockwise(a, q, s)
-            if run is not None:
-                _close(run(), fp8_gemv_reference(a, q, s), "scaled_mm")
-                print(f"| {m} x {n} x {k} | {t_bf16:.1f} | torch scaled_mm 1x128/128x128 | "
-                      f"{graph_time_us(lambda i: run(), 5):.1f} | | |", flush=True)
-        except Exception as e:  # noqa: BLE001  this torch / cuBLAS has no block-scaled GEMM: say why
-            print(f"| {m} x {n} x {k} | {t_bf16:.1f} | torch scaled_mm | failed: {type(e).__name__}: "
-                  f"{str(e)[:160]} | | |", flush=True)
+        if fp8_gemm.block_scaled_mm_supported(a, q, (128, 128)):
+            _close(fp8_gemm.fp8_block_scaled_mm(a, q, s), fp8_gemv_reference(a, q, s), "block-scaled")
+            t = graph_time_us(lambda i: fp8_gemm.fp8_block_scaled_mm(a, q, s), 5)
+            print(f"| {m} x {n} x {k} | {t_bf16:.1f} | torch scaled_mm 1x128/128x128 | {t:.1f} | | |", flush=True)
     e, h, inter, top_k = 128, 2048, 768, 8
     w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
     w2 = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16) * inter ** -0.5

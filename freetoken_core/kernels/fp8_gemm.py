@@ -193,6 +193,12 @@ def fp8_gemm_weight_only(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
     return _launch_gemm(x, None, weight, scale_inv, bias, x.dtype, block, config)
 
 
+def quantizes_activations(dtype: torch.dtype) -> bool:
+    """Whether the many-row FP8 GEMMs (dense and experts) run w8a8 for activations of `dtype`: bf16 / fp16 yes
+    (faster from 64 rows), fp32 no (the weight-only math the CPU tests hold to transformers)."""
+    return dtype != torch.float32
+
+
 def block_scaled_mm_supported(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
     """Whether torch's block-scaled GEMM (`F.scaled_mm` with 1 x 128 activation and 128 x 128 weight scales: cuBLAS
     on Hopper) takes this product: faster than `fp8_gemm_w8a8` at prefill sizes (RESULTS, "Block-FP8")."""
@@ -229,7 +235,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
         return fp8_gemv(x, weight, scale_inv, bias, block)
     if 2 <= m <= ROWS_GEMM_MAX_ROWS:
         return fp8_rows_gemm(x, weight, scale_inv, bias, block)
-    if x.dtype == torch.float32:
+    if not quantizes_activations(x.dtype):
         return fp8_gemm_weight_only(x, weight, scale_inv, bias, block)
     if m >= FEW_ROWS and block_scaled_mm_supported(x, weight, block):
         return fp8_block_scaled_mm(x, weight, scale_inv, bias)

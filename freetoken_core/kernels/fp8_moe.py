@@ -24,7 +24,7 @@ from .fused_moe_configs import DECODE_MAX_TOKENS, Config, down_config, fp8_group
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .fp8_gemm import grouped_pid, per_token_group_quant_fp8  # noqa: E402
+from .fp8_gemm import grouped_pid, per_token_group_quant_fp8, quantizes_activations  # noqa: E402
 from .fp8_gemv import pow2_divisor  # noqa: E402
 from .fp8_moe_gemv import check_fp8_expert_args, fp8_fused_moe_decode  # noqa: E402
 from .fused_moe import _sum_routes, moe_align_block_size  # noqa: E402
@@ -146,7 +146,7 @@ def fp8_fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor,
     if num_tokens == 0:
         return torch.empty_like(x)
     if w8a8 is None:
-        w8a8 = x.dtype != torch.float32
+        w8a8 = quantizes_activations(x.dtype)
     if config is None:
         config = (fp8_grouped_config(num_tokens) if w8a8
                   else get_config(num_experts, hidden, two_i // 2, num_tokens, x.dtype))

@@ -87,7 +87,7 @@ def fp8_grouped_config(num_tokens: int) -> Config:
     """The w8a8 FP8 grouped GEMM's tile for T = num_tokens (the interpreter's small tiles on CPU)."""
     if triton_interpreted():
         return default_grouped_config(num_tokens)
-    return dict(FP8_GROUPED_FEW_CONFIG if num_tokens < FP8_LARGE_TOKENS else FP8_GROUPED_LARGE_CONFIG)
+    return FP8_GROUPED_FEW_CONFIG if num_tokens < FP8_LARGE_TOKENS else FP8_GROUPED_LARGE_CONFIG
 
 
 def down_routes(tile: Config, top_k: int) -> str:

@@ -145,8 +145,9 @@ class HybridCacheManager(CacheManager):
         """A snapshot holding the live state, or -1. Its pages come from the free list, else from the least recently
         used cached K/V leaves (not for a periodic one), else a cached snapshot of the lowest kind present, up to
         `kind`, gives way (least recently used first), else a running request's periodic one not cached yet; with
-        every snapshot id in use (the pages hold no more) only the last two. With fewer snapshots than conversations, plain LRU would evict a shared system
-        prompt's snapshot for each turn's end, which at most one later turn uses."""
+        every snapshot id in use (the pages hold no more) only the last two. With fewer snapshots than conversations,
+        plain LRU would evict a shared system prompt's snapshot for each turn's end, which at most one later turn
+        uses."""
         if not self.snapshots.num_free and not self._displace_snapshot(kind):
             return -1
         while self.pool.num_free < self.snapshots.pages_per_snapshot:
